@@ -1,0 +1,55 @@
+"""Argument checks shared by the public ops: every message names the argument and its shape."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def check_rank(name: str, x, rank: int, letters: str) -> None:
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise ValueError(f"{name} must be an array of shape [{letters}], got {type(x).__name__}.")
+  if x.ndim != rank:
+    raise ValueError(f"{name} must have rank {rank} [{letters}], got {name}.shape={tuple(x.shape)}.")
+
+
+def check_dim(name: str, x, axis: int, expected: int, what: str) -> None:
+  if x.shape[axis] != expected:
+    raise ValueError(
+        f"{name}.shape={tuple(x.shape)}: dimension {axis} ({what}) must be {expected}."
+    )
+
+
+def check_float(name: str, x) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{name} must be a floating dtype, got {name}.dtype={x.dtype}.")
+
+
+def check_int(name: str, x) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer dtype, got {name}.dtype={x.dtype}.")
+
+
+def check_positive_int(name: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name} must be a positive int, got {name}={value!r}.")
+
+
+def check_scalar_int(name: str, value) -> None:
+  """Accepts a Python int or a 0-d integer array (traced values allowed, e.g. inside shard_map)."""
+  if isinstance(value, bool):
+    raise ValueError(f"{name} must be an int, got {name}={value!r}.")
+  if isinstance(value, (int, np.integer)):
+    return
+  if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0 and jnp.issubdtype(
+      value.dtype, jnp.integer
+  ):
+    return
+  shape = getattr(value, "shape", None)
+  raise ValueError(f"{name} must be an int or a 0-d integer array, got {name}={value!r} ({shape=}).")
+
+
+def check_static_float(name: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+    raise ValueError(f"{name} must be a Python float, got {name}={value!r}.")

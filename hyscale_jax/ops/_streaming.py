@@ -1,0 +1,64 @@
+"""Causal visibility and key-chunk streaming shared by the reference ops (no [Tq, Tk] tables)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+  """Pads `x` along `axis` up to `size` with `value`."""
+  extra = size - x.shape[axis]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def to_blocks(x: jax.Array, axis: int, block: int, value=0) -> jax.Array:
+  """[..., N, ...] -> [n_blocks, ..., block, ...]: pads `axis` to a multiple of `block` and splits it."""
+  n = cdiv(x.shape[axis], block)
+  x = pad_axis(x, axis, n * block, value)
+  x = x.reshape(x.shape[:axis] + (n, block) + x.shape[axis + 1 :])
+  return jnp.moveaxis(x, axis, 0)
+
+
+def from_blocks(x: jax.Array, axis: int, length: int) -> jax.Array:
+  """Inverse of `to_blocks`: [n_blocks, ..., block, ...] -> [..., length, ...]."""
+  x = jnp.moveaxis(x, 0, axis)
+  x = x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2 :])
+  return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+
+
+def key_visible(q_pos, k_pos, compress_ratio: int, q_seg=None, kv_seg=None) -> jax.Array:
+  """Whether key `s` is visible to query position `p`: (s + 1) * compress_ratio <= p + 1.
+
+  Args:
+    q_pos: i32[Tq] absolute query positions (q_offset + t).
+    k_pos: i32[Tk] key indices.
+    compress_ratio: tokens per key (1 for token keys; m for compressed blocks).
+    q_seg: optional int[B, Tq] segment ids of the queries.
+    kv_seg: optional int[B, Tk] segment ids of the keys; equal ids are required when given.
+
+  Returns:
+    bool[1 or B, Tq, Tk].
+  """
+  vis = ((k_pos[None, :] + 1) * compress_ratio <= q_pos[:, None] + 1)[None]
+  if q_seg is not None:
+    vis = vis & (q_seg[:, :, None] == kv_seg[:, None, :])
+  return vis
+
+
+def visible_key_chunks(last_q_pos, compress_ratio: int, chunk: int, n_chunks: int) -> jax.Array:
+  """How many leading key chunks hold a key visible to some query at position <= `last_q_pos`.
+
+  Chunks past this count are entirely masked for the query block and are skipped, not computed.
+  """
+  keys = (last_q_pos + 1) // compress_ratio  # keys 0 .. keys-1 are visible to the last query
+  return jnp.clip((keys + chunk - 1) // chunk, 0, n_chunks)
+

@@ -1,0 +1,172 @@
+"""Pure-jnp references for `flash_topk`: a streaming exact top-k, and the materializing XLA baseline."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from hyscale_jax.ops import _streaming as st
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+_NO_INDEX = jnp.iinfo(jnp.int32).max  # sorts after every real key index
+
+
+def index_scores(
+    q: Float[Array, "B Tq H D"],
+    k: Float[Array, "B Tk D"],
+    weights: Float[Array, "B Tq H"] | None,
+    scale: float,
+) -> Float[Array, "B Tq Tk"]:
+  """The lightning-indexer score `scale * sum_h w[t,h] * relu(<q[t,h], k[s]>)`.
+
+  Products accumulate in f32 and the head sum is in f32; returns f32. Signed zeros are folded to +0
+  so that the ReLU plateau is one tie class for the (score desc, index asc) order.
+  """
+  dots = jnp.einsum("bthd,bsd->bths", q, k, preferred_element_type=jnp.float32, precision=_HIGHEST)
+  relu = jnp.maximum(dots, 0.0)
+  if weights is None:
+    score = relu.sum(axis=2)
+  else:
+    score = (relu * weights.astype(jnp.float32)[..., None]).sum(axis=2)
+  score = score * jnp.float32(scale)
+  return jnp.where(score == 0.0, 0.0, score)
+
+
+def index_scores_at(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B S D"],
+    weights: Float[Array, "B T H"] | None,
+    indices: Int[Array, "B T K"],
+    scale: float,
+) -> Float[Array, "B T K"]:
+  """`index_scores` at listed keys only: entry j of row t scores key `indices[t, j]` (clamped)."""
+  safe = jnp.clip(indices, 0, k.shape[1] - 1)
+  k_sel = jax.vmap(lambda kb, ib: kb[ib])(k, safe)  # [B, T, K, D]
+  dots = jnp.einsum(
+      "bthd,btjd->bthj", q, k_sel, preferred_element_type=jnp.float32, precision=_HIGHEST
+  )
+  relu = jnp.maximum(dots, 0.0)
+  if weights is None:
+    return relu.sum(axis=2) * jnp.float32(scale)
+  return (relu * weights.astype(jnp.float32)[..., None]).sum(axis=2) * jnp.float32(scale)
+
+
+def _merge_topk(best, cand, topk: int):
+  """Exact top-k of the union of two (score, index) sets under (score desc, index asc)."""
+  scores = jnp.concatenate([best[0], cand[0]], axis=-1)
+  idx = jnp.concatenate([best[1], cand[1]], axis=-1)
+  neg, idx = jax.lax.sort((-scores, idx), dimension=-1, num_keys=2)
+  return -neg[..., :topk], idx[..., :topk]
+
+
+def _finish(scores, idx):
+  """Slots holding no visible key get index -1 (their score is already -inf)."""
+  return jnp.where(scores == -jnp.inf, -1, idx).astype(jnp.int32), scores
+
+
+def flash_topk_reference(
+    q: Float[Array, "B Tq H D"],
+    k: Float[Array, "B Tk D"],
+    weights: Float[Array, "B Tq H"] | None,
+    *,
+    topk: int,
+    compress_ratio: int = 1,
+    q_offset: int | Int[Array, ""] = 0,
+    segment_ids: tuple[Int[Array, "B Tq"], Int[Array, "B Tk"]] | None = None,
+    scale: float = 1.0,
+    query_block: int = 64,
+    key_chunk: int = 256,
+) -> tuple[Int[Array, "B Tq topk"], Float[Array, "B Tq topk"]]:
+  """Exact streaming top-k: query blocks x key chunks with a running (score desc, index asc) merge.
+
+  Memory is O(Tq * (key_chunk + topk) + query_block * H * key_chunk); the [Tq, Tk] table is never
+  built. Key chunks that are entirely in the causal future of a query block are skipped.
+
+  Returns:
+    (indices i32[B, Tq, topk], scores f32[B, Tq, topk]); empty slots hold (-1, -inf).
+  """
+  B, Tq, H, _ = q.shape
+  Tk = k.shape[1]
+  bq, ck = min(query_block, Tq), min(key_chunk, Tk)
+  n_chunks = st.cdiv(Tk, ck)
+  k = st.pad_axis(k, 1, n_chunks * ck)
+  q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
+  if kv_seg is not None:
+    kv_seg = st.pad_axis(kv_seg, 1, n_chunks * ck)
+  q_offset = jnp.asarray(q_offset, jnp.int32)
+
+  def query_block_topk(xs):
+    i, q_blk, w_blk, seg_blk = xs  # [B, bq, H, D], [B, bq, H] | None, [B, bq] | None
+    q_pos = q_offset + i * bq + jnp.arange(bq, dtype=jnp.int32)
+
+    def key_chunk_step(j, best):
+      start = j * ck
+      k_pos = start + jnp.arange(ck, dtype=jnp.int32)
+      k_blk = jax.lax.dynamic_slice_in_dim(k, start, ck, axis=1)
+      seg = None if kv_seg is None else jax.lax.dynamic_slice_in_dim(kv_seg, start, ck, axis=1)
+      vis = st.key_visible(q_pos, k_pos, compress_ratio, seg_blk, seg) & (k_pos < Tk)
+      score = jnp.where(vis, index_scores(q_blk, k_blk, w_blk, scale), -jnp.inf)
+      return _merge_topk(best, (score, jnp.broadcast_to(k_pos, score.shape)), topk)
+
+    best = (jnp.full((B, bq, topk), -jnp.inf), jnp.full((B, bq, topk), _NO_INDEX, jnp.int32))
+    n_visible = st.visible_key_chunks(q_pos[-1], compress_ratio, ck, n_chunks)
+    return _finish(*jax.lax.fori_loop(0, n_visible, key_chunk_step, best))
+
+  n_blocks = st.cdiv(Tq, bq)
+  xs = (
+      jnp.arange(n_blocks, dtype=jnp.int32),
+      st.to_blocks(q, 1, bq),
+      None if weights is None else st.to_blocks(weights, 1, bq),
+      None if q_seg is None else st.to_blocks(q_seg, 1, bq),
+  )
+  idx, scores = jax.lax.map(query_block_topk, xs)
+  return st.from_blocks(idx, 1, Tq), st.from_blocks(scores, 1, Tq)
+
+
+def flash_topk_xla_baseline(
+    q: Float[Array, "B Tq H D"],
+    k: Float[Array, "B Tk D"],
+    weights: Float[Array, "B Tq H"] | None,
+    *,
+    topk: int,
+    compress_ratio: int = 1,
+    q_offset: int | Int[Array, ""] = 0,
+    segment_ids: tuple[Int[Array, "B Tq"], Int[Array, "B Tk"]] | None = None,
+    scale: float = 1.0,
+    query_rows: int | None = None,
+    bytes_budget: int = 1 << 31,
+) -> tuple[Int[Array, "B Tq topk"], Float[Array, "B Tq topk"]]:
+  """The baseline we beat: materialize full score rows, then `lax.top_k`.
+
+  Rows are processed `query_rows` at a time (by default as many as fit `bytes_budget` of the
+  [rows, H, Tk] f32 intermediate), like Megatron's row-chunked indexer; each chunk's [rows, Tk]
+  score table is written out in full before selection.
+  """
+  B, Tq, H, _ = q.shape
+  Tk = k.shape[1]
+  if query_rows is None:
+    query_rows = max(1, min(Tq, bytes_budget // (4 * B * H * Tk)))
+  q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
+  q_offset = jnp.asarray(q_offset, jnp.int32)
+  kk = min(topk, Tk)
+
+  def rows_topk(xs):
+    i, q_blk, w_blk, seg_blk = xs
+    q_pos = q_offset + i * query_rows + jnp.arange(query_rows, dtype=jnp.int32)
+    vis = st.key_visible(q_pos, jnp.arange(Tk, dtype=jnp.int32), compress_ratio, seg_blk, kv_seg)
+    score = jnp.where(vis, index_scores(q_blk, k, w_blk, scale), -jnp.inf)
+    vals, idx = jax.lax.top_k(score, kk)
+    if kk < topk:
+      vals = st.pad_axis(vals, 2, topk, -jnp.inf)
+      idx = st.pad_axis(idx, 2, topk, -1)
+    return _finish(vals, idx)
+
+  xs = (
+      jnp.arange(st.cdiv(Tq, query_rows), dtype=jnp.int32),
+      st.to_blocks(q, 1, query_rows),
+      None if weights is None else st.to_blocks(weights, 1, query_rows),
+      None if q_seg is None else st.to_blocks(q_seg, 1, query_rows),
+  )
+  idx, scores = jax.lax.map(rows_topk, xs)
+  return st.from_blocks(idx, 1, Tq), st.from_blocks(scores, 1, Tq)

@@ -1,0 +1,120 @@
+"""`indexer_loss`: KL distillation of the lightning indexer toward the main attention (DSA)."""
+
+from __future__ import annotations
+
+import jax
+from jaxtyping import Array, Float, Int
+
+from hyscale_jax.ops import _checks
+from hyscale_jax.ops._registry import Backend, BackendRegistry
+from hyscale_jax.ops.indexer_loss.reference import indexer_loss_reference
+
+REGISTRY = BackendRegistry(
+    "indexer_loss",
+    {"reference": indexer_loss_reference},
+    auto_order={"gpu": ("pallas", "reference"), "default": ("reference",)},
+)
+
+
+def indexer_loss(
+    index_q: Float[Array, "B T HI DI"],
+    index_k: Float[Array, "B S DI"],
+    index_weights: Float[Array, "B T HI"] | None,
+    attn_q: Float[Array, "B T H Dk"],
+    attn_k: Float[Array, "B S G Dk"],
+    attn_lse: Float[Array, "B T H"] | None,
+    indices: Int[Array, "B T K"] | None = None,
+    *,
+    attn_scale: float,
+    index_scale: float = 1.0,
+    compress_ratio: int = 1,
+    q_offset: int | Int[Array, ""] = 0,
+    segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
+    backend: Backend = "auto",
+) -> Float[Array, ""]:
+  """Mean over query rows of KL(p_t || softmax(I_t)) on each row's support (DeepSeek-V3.2 §2.1).
+
+  Student: `I[t, s] = index_scale * sum_j w[t,j] relu(<index_q[t,j], index_k[s]>)` (the
+  `flash_topk` score). Teacher: `u[t, s] = sum_h exp(attn_scale * <attn_q[t,h], attn_k[s,g(h)]> -
+  attn_lse[t,h])`, L1-normalised over the support into `p`. With the sparse attention's own `lse`
+  this is `(1/H) sum_h P_h`; with a larger LSE (DeepSeek-V4's window + sink) it is the mass on the
+  support, renormalised.
+
+  - Sparse form (`indices` given, the selection): the support is the listed valid indices.
+  - Dense warm-up form (`indices=None`): the support is every key visible under
+    `compress_ratio`/`q_offset`/`segment_ids` (the `flash_topk` rule), streamed in key chunks with
+    no [T, S] table. `attn_lse=None` computes each head's LSE over that support.
+
+  The teacher inputs are detached: gradients reach only index_q, index_k and index_weights, via the
+  closed form `dL/dI = (softmax(I) - p) / n_rows`. Rows with an empty support (or zero teacher
+  mass) are excluded from the mean; the loss is 0 when no row counts. Computes in f32.
+
+  Args:
+    index_q: bf16|f32[B, T, HI, DI] indexer queries.
+    index_k: bf16|f32[B, S, DI] indexer keys.
+    index_weights: bf16|f32[B, T, HI] indexer head weights, or None for all ones.
+    attn_q: bf16|f32[B, T, H, Dk] attention queries (teacher, detached).
+    attn_k: bf16|f32[B, S, G, Dk] attention keys (teacher, detached).
+    attn_lse: f32[B, T, H] attention LSE from `sparse_attention` (required in the sparse form).
+    indices: int[B, T, K] the selection, or None for the dense form.
+    attn_scale: the attention's logit scale.
+    index_scale: the indexer score scale.
+    compress_ratio, q_offset, segment_ids: visibility of the dense form, as in `flash_topk`.
+    backend: "auto" or "reference".
+
+  Returns:
+    f32[] the loss.
+
+  Raises:
+    ValueError: on mismatched shapes, bad dtypes, or `attn_lse=None` in the sparse form.
+  """
+  _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, compress_ratio, q_offset)
+  attn_q, attn_k, attn_lse = jax.lax.stop_gradient((attn_q, attn_k, attn_lse))
+  names = REGISTRY.candidates(backend)
+  return REGISTRY.run(
+      names, index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices,
+      attn_scale=float(attn_scale), index_scale=float(index_scale), compress_ratio=int(compress_ratio),
+      q_offset=q_offset, segment_ids=segment_ids,
+  )
+
+
+def _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, compress_ratio, q_offset):
+  _checks.check_rank("index_q", index_q, 4, "B, T, HI, DI")
+  _checks.check_rank("index_k", index_k, 3, "B, S, DI")
+  _checks.check_rank("attn_q", attn_q, 4, "B, T, H, Dk")
+  _checks.check_rank("attn_k", attn_k, 4, "B, S, G, Dk")
+  for name, x in (("index_q", index_q), ("index_k", index_k), ("attn_q", attn_q), ("attn_k", attn_k)):
+    _checks.check_float(name, x)
+  B, T, HI, DI = index_q.shape
+  S = index_k.shape[1]
+  where = f"from index_q.shape={tuple(index_q.shape)}"
+  if index_k.shape[0] != B or index_k.shape[2] != DI:
+    raise ValueError(f"index_k.shape={tuple(index_k.shape)} must be [B, S, DI] with B={B}, DI={DI} {where}.")
+  if index_weights is not None:
+    _checks.check_rank("index_weights", index_weights, 3, "B, T, HI")
+    _checks.check_float("index_weights", index_weights)
+    if index_weights.shape != (B, T, HI):
+      raise ValueError(f"index_weights.shape={tuple(index_weights.shape)} must be {(B, T, HI)} {where}.")
+  H = attn_q.shape[2]
+  if attn_q.shape[:2] != (B, T):
+    raise ValueError(f"attn_q.shape={tuple(attn_q.shape)} must start with [B, T]={(B, T)} {where}.")
+  if attn_k.shape[:2] != (B, S) or attn_k.shape[3] != attn_q.shape[3]:
+    raise ValueError(
+        f"attn_k.shape={tuple(attn_k.shape)} must be [B, S, G, Dk]=({B}, {S}, G, {attn_q.shape[3]}) "
+        f"from index_k.shape={tuple(index_k.shape)} and attn_q.shape={tuple(attn_q.shape)}."
+    )
+  if H % attn_k.shape[2]:
+    raise ValueError(f"attn_q heads H={H} must be divisible by attn_k groups G={attn_k.shape[2]}.")
+  if attn_lse is not None:
+    _checks.check_float("attn_lse", attn_lse)
+    if attn_lse.shape != (B, T, H):
+      raise ValueError(f"attn_lse.shape={tuple(attn_lse.shape)} must be [B, T, H]={(B, T, H)}.")
+  if indices is not None:
+    _checks.check_rank("indices", indices, 3, "B, T, K")
+    _checks.check_int("indices", indices)
+    if indices.shape[:2] != (B, T):
+      raise ValueError(f"indices.shape={tuple(indices.shape)} must start with [B, T]={(B, T)} {where}.")
+    if attn_lse is None:
+      raise ValueError("attn_lse is required in the sparse form (indices given): pass sparse_attention's lse.")
+  _checks.check_positive_int("compress_ratio", compress_ratio)
+  _checks.check_scalar_int("q_offset", q_offset)

@@ -1,0 +1,306 @@
+"""Pure-jnp reference for `indexer_loss`: the DSA KL distillation, sparse and dense (streamed) forms.
+
+Both forms use a custom_vjp with the closed-form logit gradient `softmax(I) - p`; the backward
+recomputes the indexer logits tile by tile and backpropagates them to q, k and weights. The teacher
+is a constant: no gradient reaches the attention inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from hyscale_jax.ops import _streaming as st
+from hyscale_jax.ops.flash_topk.reference import index_scores, index_scores_at
+from hyscale_jax.ops.sparse_attention.reference import (
+    attention_logits_at,
+    probs_from_lse,
+    valid_indices,
+)
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _row_mean(row_kl, row_valid):
+  n_valid = jnp.sum(row_valid)
+  return jnp.sum(jnp.where(row_valid, row_kl, 0.0)) / jnp.maximum(n_valid, 1), n_valid
+
+
+# ------------------------------------------------------------------------------------------------
+# Sparse form: the support of row t is its listed indices.
+
+
+def _sparse_chunk(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales):
+  """Student log-probs, teacher probs and row validity for a chunk of rows: [B, t, K] x2, [B, t]."""
+  index_scale, attn_scale = scales
+  valid = valid_indices(indices, index_k.shape[1])
+  logits = jnp.where(valid, index_scores_at(index_q, index_k, index_weights, indices, index_scale), -jnp.inf)
+  teacher = probs_from_lse(attention_logits_at(attn_q, attn_k, indices, attn_scale), attn_lse).sum(axis=2)
+  mass = teacher.sum(axis=-1)
+  row_valid = valid.any(axis=-1) & (mass > 0)
+  target = teacher / jnp.where(row_valid, mass, 1.0)[..., None]
+  log_student = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  return log_student, target, row_valid
+
+
+def _kl_rows(log_student, target):
+  """sum_j p_j (log p_j - log q_j) over entries with p_j > 0."""
+  safe_target = jnp.where(target > 0, target, 1.0)
+  terms = jnp.where(target > 0, target * (jnp.log(safe_target) - log_student), 0.0)
+  return terms.sum(axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk):
+  return _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk)[0]
+
+
+def _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk):
+  T = index_q.shape[1]
+  split = lambda x, fill=0: None if x is None else st.to_blocks(x, 1, min(chunk, T), fill)
+
+  def chunk_rows(xs):
+    iq, iw, aq, alse, idx = xs
+    log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, scales)
+    return _kl_rows(log_student, target), row_valid
+
+  xs = (split(index_q), split(index_weights), split(attn_q), split(attn_lse), split(indices, -1))
+  row_kl, row_valid = jax.lax.map(chunk_rows, xs)
+  loss, n_valid = _row_mean(row_kl, row_valid)
+  return loss, (index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, n_valid)
+
+
+def _sparse_loss_bwd(scales, chunk, residuals, ct):
+  index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, n_valid = residuals
+  T = index_q.shape[1]
+  split = lambda x, fill=0: None if x is None else st.to_blocks(x, 1, min(chunk, T), fill)
+  coef = ct / jnp.maximum(n_valid, 1).astype(jnp.float32)
+
+  def chunk_grads(dk, xs):
+    iq, iw, aq, alse, idx = xs
+    log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, scales)
+    g = jnp.where(row_valid[..., None], jnp.exp(log_student) - target, 0.0) * coef
+    scores = lambda q_, k_, w_: index_scores_at(q_, k_, w_, idx, scales[0])
+    _, pullback = jax.vjp(scores, iq, index_k, iw)
+    dq, dk_chunk, dw = pullback(jnp.where(valid_indices(idx, index_k.shape[1]), g, 0.0))
+    return dk + dk_chunk.astype(jnp.float32), (dq, dw)
+
+  xs = (split(index_q), split(index_weights), split(attn_q), split(attn_lse), split(indices, -1))
+  dk, (dq, dw) = jax.lax.scan(chunk_grads, jnp.zeros(index_k.shape, jnp.float32), xs)
+  dq = st.from_blocks(dq, 1, T).astype(index_q.dtype)
+  dw = None if index_weights is None else st.from_blocks(dw, 1, T).astype(index_weights.dtype)
+  return dq, dk.astype(index_k.dtype), dw, None, None, None, None
+
+
+_sparse_loss.defvjp(_sparse_loss_fwd, _sparse_loss_bwd)
+
+
+# ------------------------------------------------------------------------------------------------
+# Dense form: the support of row t is every visible key; streamed over key chunks.
+
+
+def _dense_attention_logits(attn_q, attn_k, attn_scale):
+  """f32[B, bq, H, ck] logits of every query head against every key of a chunk."""
+  B, bq, H, Dk = attn_q.shape
+  G = attn_k.shape[2]
+  logits = jnp.einsum(
+      "btgnd,bsgd->btgns", attn_q.reshape(B, bq, G, H // G, Dk), attn_k,
+      preferred_element_type=jnp.float32, precision=_HIGHEST,
+  )
+  return logits.reshape(B, bq, H, -1) * jnp.float32(attn_scale)
+
+
+def _online_lse(state, x, axis=-1):
+  """Merges logsumexp state (max, sum) with the entries of x along `axis`."""
+  m, s = state
+  m_new = jnp.maximum(m, jnp.max(x, axis=axis))
+  shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+  s = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - jnp.expand_dims(shift, axis)), axis=axis)
+  return m_new, s
+
+
+def _lse_value(state):
+  m, s = state
+  return jnp.where(s > 0, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(jnp.where(s > 0, s, 1.0)), -jnp.inf)
+
+
+class _DenseSpec:
+  """The static layout shared by the dense passes: block sizes, padding and the tile function."""
+
+  def __init__(self, index_k, attn_k, segment_ids, q_offset, compress_ratio, scales, blocks):
+    self.Tk = index_k.shape[1]
+    self.bq, ck = blocks
+    self.ck = min(ck, self.Tk)
+    self.n_chunks = st.cdiv(self.Tk, self.ck)
+    self.index_k = st.pad_axis(index_k, 1, self.n_chunks * self.ck)
+    self.attn_k = st.pad_axis(attn_k, 1, self.n_chunks * self.ck)
+    q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
+    self.kv_seg = None if kv_seg is None else st.pad_axis(kv_seg, 1, self.n_chunks * self.ck)
+    self.q_seg = q_seg
+    self.q_offset = q_offset
+    self.compress_ratio = compress_ratio
+    self.index_scale, self.attn_scale = scales
+
+  def q_positions(self, i):
+    return self.q_offset + i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)
+
+  def n_visible(self, q_pos):
+    return st.visible_key_chunks(q_pos[-1], self.compress_ratio, self.ck, self.n_chunks)
+
+  def key_chunk(self, j):
+    start = j * self.ck
+    take = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, start, self.ck, axis=1)
+    return start + jnp.arange(self.ck, dtype=jnp.int32), take(self.index_k), take(self.attn_k), take(self.kv_seg)
+
+  def tile(self, j, q_pos, seg_blk, iq, iw, aq):
+    """Visibility [B, bq, ck], indexer logits [B, bq, ck] and attention logits [B, bq, H, ck]."""
+    k_pos, ik, ak, kseg = self.key_chunk(j)
+    vis = st.key_visible(q_pos, k_pos, self.compress_ratio, seg_blk, kseg) & (k_pos < self.Tk)
+    logits = jnp.where(vis, index_scores(iq, ik, iw, self.index_scale), -jnp.inf)
+    attn = jnp.where(vis[:, :, None, :], _dense_attention_logits(aq, ak, self.attn_scale), -jnp.inf)
+    return vis, logits, attn
+
+  def blocks(self, x, fill=0):
+    return None if x is None else st.to_blocks(x, 1, self.bq, fill)
+
+
+def _dense_block_stats(spec: _DenseSpec, i, iq, iw, aq, alse, seg_blk):
+  """Per-row streamed statistics of one query block: lse of I, teacher lse, mass Z and sum u(log u - I)."""
+  B, bq, H, _ = aq.shape
+  q_pos = spec.q_positions(i)
+  n_visible = spec.n_visible(q_pos)
+  neg = lambda *shape: jnp.full(shape, -jnp.inf, jnp.float32)
+  zero = lambda *shape: jnp.zeros(shape, jnp.float32)
+
+  def stats_pass(j, state):
+    lse_i, lse_a = state
+    _, logits, attn = spec.tile(j, q_pos, seg_blk, iq, iw, aq)
+    return _online_lse(lse_i, logits), (None if alse is not None else _online_lse(lse_a, attn))
+
+  init = ((neg(B, bq), zero(B, bq)), None if alse is not None else (neg(B, bq, H), zero(B, bq, H)))
+  lse_i, lse_a = jax.lax.fori_loop(0, n_visible, stats_pass, init)
+  lse_i = _lse_value(lse_i)
+  alse = alse if alse is not None else _lse_value(lse_a)
+
+  def mass_pass(j, acc):
+    mass, cross = acc
+    _, logits, attn = spec.tile(j, q_pos, seg_blk, iq, iw, aq)
+    u = probs_from_lse(attn, alse).sum(axis=2)  # [B, bq, ck]
+    term = jnp.where(u > 0, u * (jnp.log(jnp.where(u > 0, u, 1.0)) - logits), 0.0)
+    return mass + u.sum(axis=-1), cross + term.sum(axis=-1)
+
+  mass, cross = jax.lax.fori_loop(0, n_visible, mass_pass, (zero(B, bq), zero(B, bq)))
+  return lse_i, alse, mass, cross
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _dense_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions, compress_ratio, scales, blocks):
+  return _dense_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions, compress_ratio, scales, blocks)[0]
+
+
+def _dense_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions, compress_ratio, scales, blocks):
+  q_offset, segment_ids = positions
+  spec = _DenseSpec(index_k, attn_k, segment_ids, q_offset, compress_ratio, scales, blocks)
+  T = index_q.shape[1]
+
+  def block_rows(xs):
+    i, iq, iw, aq, alse, seg = xs
+    lse_i, alse, mass, cross = _dense_block_stats(spec, i, iq, iw, aq, alse, seg)
+    in_range = i * spec.bq + jnp.arange(spec.bq) < T  # rows padded onto the last block don't count
+    row_valid = jnp.isfinite(lse_i) & (mass > 0) & in_range
+    safe_mass = jnp.where(row_valid, mass, 1.0)
+    # KL(p || softmax I) = E_p[log u - I] - log Z + lse(I), with p = u / Z.
+    row_kl = cross / safe_mass - jnp.log(safe_mass) + jnp.where(row_valid, lse_i, 0.0)
+    return row_kl, row_valid, lse_i, alse, mass
+
+  n_blocks = st.cdiv(T, spec.bq)
+  xs = (
+      jnp.arange(n_blocks, dtype=jnp.int32), spec.blocks(index_q), spec.blocks(index_weights),
+      spec.blocks(attn_q), spec.blocks(attn_lse), spec.blocks(spec.q_seg),
+  )
+  row_kl, row_valid, lse_i, alse, mass = jax.lax.map(block_rows, xs)
+  loss, n_valid = _row_mean(row_kl, row_valid)
+  residuals = (index_q, index_k, index_weights, attn_q, attn_k, positions, n_valid, row_valid, lse_i, alse, mass)
+  return loss, residuals
+
+
+def _dense_loss_bwd(compress_ratio, scales, blocks, residuals, ct):
+  index_q, index_k, index_weights, attn_q, attn_k, positions, n_valid, row_valid, lse_i, alse, mass = residuals
+  q_offset, segment_ids = positions
+  spec = _DenseSpec(index_k, attn_k, segment_ids, q_offset, compress_ratio, scales, blocks)
+  T = index_q.shape[1]
+  coef = ct / jnp.maximum(n_valid, 1).astype(jnp.float32)
+
+  def block_grads(dk, xs):
+    i, iq, iw, aq, seg, valid_b, lse_b, alse_b, mass_b = xs
+    q_pos = spec.q_positions(i)
+    safe_mass = jnp.where(valid_b, mass_b, 1.0)
+
+    def chunk_grads(j, acc):
+      dq, dw, dk = acc
+      vis, logits, attn = spec.tile(j, q_pos, seg, iq, iw, aq)
+      target = probs_from_lse(attn, alse_b).sum(axis=2) / safe_mass[..., None]
+      student = jnp.exp(logits - jnp.where(valid_b, lse_b, 0.0)[..., None])
+      g = jnp.where(vis & valid_b[..., None], student - target, 0.0) * coef
+      _, ik, _, _ = spec.key_chunk(j)
+      _, pullback = jax.vjp(lambda q_, k_, w_: index_scores(q_, k_, w_, spec.index_scale), iq, ik, iw)
+      dq_j, dk_j, dw_j = pullback(g)
+      dk = jax.lax.dynamic_update_slice_in_dim(
+          dk, jax.lax.dynamic_slice_in_dim(dk, j * spec.ck, spec.ck, axis=1) + dk_j, j * spec.ck, axis=1
+      )
+      dw = None if dw is None else dw + dw_j
+      return dq + dq_j, dw, dk
+
+    zeros = lambda x: None if x is None else jnp.zeros(x.shape, jnp.float32)
+    dq, dw, dk = jax.lax.fori_loop(0, spec.n_visible(q_pos), chunk_grads, (zeros(iq), zeros(iw), dk))
+    return dk, (dq, dw)
+
+  n_blocks = st.cdiv(T, spec.bq)
+  xs = (
+      jnp.arange(n_blocks, dtype=jnp.int32), spec.blocks(index_q), spec.blocks(index_weights),
+      spec.blocks(attn_q), spec.blocks(spec.q_seg), row_valid, lse_i, alse, mass,
+  )
+  dk, (dq, dw) = jax.lax.scan(block_grads, jnp.zeros(spec.index_k.shape, jnp.float32), xs)
+  dq = st.from_blocks(dq, 1, T).astype(index_q.dtype)
+  dw = None if index_weights is None else st.from_blocks(dw, 1, T).astype(index_weights.dtype)
+  dk = dk[:, : spec.Tk].astype(index_k.dtype)
+  return dq, dk, dw, None, None, None, None
+
+
+_dense_loss.defvjp(_dense_loss_fwd, _dense_loss_bwd)
+
+
+def indexer_loss_reference(
+    index_q: Float[Array, "B T HI DI"],
+    index_k: Float[Array, "B S DI"],
+    index_weights: Float[Array, "B T HI"] | None,
+    attn_q: Float[Array, "B T H Dk"],
+    attn_k: Float[Array, "B S G Dk"],
+    attn_lse: Float[Array, "B T H"] | None,
+    indices: Int[Array, "B T K"] | None = None,
+    *,
+    attn_scale: float,
+    index_scale: float = 1.0,
+    compress_ratio: int = 1,
+    q_offset: int | Int[Array, ""] = 0,
+    segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
+    query_chunk: int = 64,
+    key_chunk: int = 256,
+) -> Float[Array, ""]:
+  """Mean over valid query rows of KL(teacher || softmax(indexer logits)) on each row's support.
+
+  Sparse form (`indices` given): the support is the listed indices, and memory is
+  O(query_chunk * K * (H + HI)). Dense form (`indices=None`): the support is every visible key,
+  streamed `key_chunk` keys at a time (no [T, S] table); `attn_lse=None` computes each head's LSE
+  over the same support.
+  """
+  scales = (float(index_scale), float(attn_scale))
+  if indices is not None:
+    return _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse,
+                        indices.astype(jnp.int32), scales, int(query_chunk))
+  positions = (jnp.asarray(q_offset, jnp.int32), segment_ids)
+  return _dense_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions,
+                     int(compress_ratio), scales, (int(query_chunk), int(key_chunk)))

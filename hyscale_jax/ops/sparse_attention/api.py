@@ -1,0 +1,92 @@
+"""`sparse_attention`: softmax attention of each query over its own list of selected keys."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from hyscale_jax.ops import _checks
+from hyscale_jax.ops._registry import Backend, BackendRegistry
+from hyscale_jax.ops.sparse_attention.reference import sparse_attention_reference
+
+_IMPLEMENTATIONS = {"reference": sparse_attention_reference}
+try:  # The Pallas kernels are optional: they land with their own issue.
+  from pallas_kernels.sparse_attention import sparse_attention_pallas  # type: ignore[import-not-found]
+
+  _IMPLEMENTATIONS["pallas"] = sparse_attention_pallas
+except ImportError:
+  pass
+
+REGISTRY = BackendRegistry(
+    "sparse_attention",
+    _IMPLEMENTATIONS,
+    auto_order={"gpu": ("pallas", "reference"), "default": ("reference",)},
+)
+
+
+def sparse_attention(
+    q: Float[Array, "B T H Dk"],
+    k: Float[Array, "B S G Dk"],
+    v: Float[Array, "B S G Dv"],
+    indices: Int[Array, "B T K"],
+    *,
+    scale: float,
+    sinks: Float[Array, "H"] | None = None,
+    backend: Backend = "auto",
+) -> tuple[Float[Array, "B T H Dv"], Float[Array, "B T H"]]:
+  """Attention of query t over keys `indices[b, t, :]`, shared by all G key/value groups.
+
+  Head h reads group `h // (H // G)` (G = 1 is MQA, as in absorbed MLA and DeepSeek-V4). A duplicate
+  index counts once per occurrence; -1 (or any index outside [0, S)) is skipped. Logits, the
+  softmax and the value sum are f32; `out` is returned in q's dtype. Differentiable in q, k, v and
+  sinks (indices get none); the backward reuses the saved `lse`. `out` and `lse` are tagged
+  `remat.ATTENTION_OUT` / `remat.ATTENTION_LSE` so `"selection_replay"` saves them.
+
+  Args:
+    q: bf16|f32[B, T, H, Dk] queries.
+    k: bf16|f32[B, S, G, Dk] keys.
+    v: bf16|f32[B, S, G, Dv] values.
+    indices: int[B, T, K] key positions per query.
+    scale: logit scale (static Python float).
+    sinks: optional f32[H]: adds exp(sinks[h]) to the softmax denominator and no value.
+    backend: "auto", "pallas" or "reference".
+
+  Returns:
+    (out [B, T, H, Dv] in q.dtype, lse f32[B, T, H]). A row with no valid index gives out = 0 and
+    lse = -inf, or lse = sinks[h] with sinks; never NaN.
+
+  Raises:
+    ValueError: on a wrong rank, mismatched batch/length/group/dim sizes, H not divisible by G,
+      non-integer indices or non-float inputs.
+  """
+  _check_args(q, k, v, indices, scale, sinks)
+  names = REGISTRY.candidates(backend)
+  return REGISTRY.run(names, q, k, v, indices, scale=float(scale), sinks=sinks)
+
+
+def _check_args(q, k, v, indices, scale, sinks):
+  _checks.check_rank("q", q, 4, "B, T, H, Dk")
+  _checks.check_rank("k", k, 4, "B, S, G, Dk")
+  _checks.check_rank("v", v, 4, "B, S, G, Dv")
+  _checks.check_rank("indices", indices, 3, "B, T, K")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    _checks.check_float(name, x)
+  _checks.check_int("indices", indices)
+  B, T, H, Dk = q.shape
+  where = f"from q.shape={tuple(q.shape)}"
+  _checks.check_dim("k", k, 0, B, f"batch, {where}")
+  _checks.check_dim("k", k, 3, Dk, f"head dim, {where}")
+  if v.shape[:3] != k.shape[:3]:
+    raise ValueError(
+        f"v.shape={tuple(v.shape)} must match k.shape={tuple(k.shape)} in [B, S, G]."
+    )
+  G = k.shape[2]
+  if H % G:
+    raise ValueError(f"q heads H={H} must be divisible by k groups G={G} ({q.shape=}, {k.shape=}).")
+  if indices.shape[:2] != (B, T):
+    raise ValueError(f"indices.shape={tuple(indices.shape)} must start with [B, T]={(B, T)} {where}.")
+  _checks.check_static_float("scale", scale)
+  if sinks is not None:
+    _checks.check_float("sinks", sinks)
+    if sinks.shape != (H,):
+      raise ValueError(f"sinks.shape={tuple(sinks.shape)} must be [H]=({H},) {where}.")

@@ -1,0 +1,172 @@
+"""Pure-jnp reference for `sparse_attention`: gathered keys, chunked over T, custom_vjp keeping lse."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from hyscale_jax.ops import _streaming as st
+from hyscale_jax.ops.sparse_attention.vjp import attention_with_saved_residuals
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def gather_rows(x: Float[Array, "B S ..."], indices: Int[Array, "B T K"]) -> Float[Array, "B T K ..."]:
+  """x[b, indices[b, t, j]] with invalid indices (outside [0, S)) clamped; mask them separately."""
+  safe = jnp.clip(indices, 0, x.shape[1] - 1)
+  return jax.vmap(lambda xb, ib: xb[ib])(x, safe)
+
+
+def valid_indices(indices: Int[Array, "B T K"], num_keys: int) -> jax.Array:
+  """bool[B, T, K]: entries that point at a key (-1 and out-of-range entries are skipped)."""
+  return (indices >= 0) & (indices < num_keys)
+
+
+def attention_logits_at(
+    q: Float[Array, "B T H Dk"],
+    k: Float[Array, "B S G Dk"],
+    indices: Int[Array, "B T K"],
+    scale: float,
+) -> Float[Array, "B T H K"]:
+  """f32 `scale * <q[b,t,h], k[b, indices[b,t,j], h // (H // G)]>`, -inf at invalid entries."""
+  B, T, H, Dk = q.shape
+  G = k.shape[2]
+  k_sel = gather_rows(k, indices)  # [B, T, K, G, Dk]
+  qg = q.reshape(B, T, G, H // G, Dk)
+  logits = jnp.einsum(
+      "btgnd,btjgd->btgnj", qg, k_sel, preferred_element_type=jnp.float32, precision=_HIGHEST
+  )
+  logits = logits.reshape(B, T, H, -1) * jnp.float32(scale)
+  return jnp.where(valid_indices(indices, k.shape[1])[:, :, None, :], logits, -jnp.inf)
+
+
+def _lse(logits: Float[Array, "B T H K"], sinks: Float[Array, "H"] | None) -> Float[Array, "B T H"]:
+  """log(sum_j exp(logits) [+ exp(sinks[h])]); -inf for an empty row without sinks."""
+  if sinks is not None:
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], logits.shape[:-1] + (1,))
+    logits = jnp.concatenate([logits, sink], axis=-1)
+  return jax.nn.logsumexp(logits, axis=-1)
+
+
+def probs_from_lse(logits, lse):
+  """exp(logits - lse), 0 where the row is empty (lse = -inf) rather than NaN."""
+  return jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+
+
+def _chunk_forward(q, k, v, indices, sinks, scale):
+  B, T, H, _ = q.shape
+  G, Dv = v.shape[2], v.shape[3]
+  logits = attention_logits_at(q, k, indices, scale)
+  lse = _lse(logits, sinks)
+  p = probs_from_lse(logits, lse).reshape(B, T, G, H // G, -1)
+  out = jnp.einsum(
+      "btgnj,btjgd->btgnd", p, gather_rows(v, indices).astype(jnp.float32), precision=_HIGHEST
+  )
+  return out.reshape(B, T, H, Dv), lse
+
+
+def _chunked(query_chunk: int, T: int):
+  """Splits [B, T, ...] arrays into [n, B, chunk, ...] blocks and joins them back."""
+  chunk = min(query_chunk, T)
+  split = lambda x, fill=0: st.to_blocks(x, 1, chunk, fill)
+  join = lambda x: st.from_blocks(x, 1, T)
+  return split, join
+
+
+def sparse_attention_forward_reference(q, k, v, indices, *, scale, sinks=None, query_chunk=None):
+  """The forward pass alone: (out in q.dtype [B, T, H, Dv], lse f32[B, T, H]), chunked over T."""
+  query_chunk = query_chunk or default_query_chunk(q, k, v, indices)
+  split, join = _chunked(query_chunk, q.shape[1])
+  out, lse = jax.lax.map(
+      lambda xs: _chunk_forward(xs[0], k, v, xs[1], sinks, scale), (split(q), split(indices, -1))
+  )
+  return join(out).astype(q.dtype), join(lse)
+
+
+def sparse_attention_backward_reference(residuals, cotangents, *, scale, query_chunk=None):
+  """Gradients (dq, dk, dv, dsinks) from the saved (q, k, v, indices, sinks, out, lse).
+
+  Probabilities are recomputed from the saved `lse`; dk/dv are scatter-added at the gathered
+  positions (one add per occurrence, so duplicates count once each).
+  """
+  q, k, v, indices, sinks, out, lse = residuals
+  dout, dlse = cotangents
+  B, T, H, Dk = q.shape
+  S, G, Dv = k.shape[1], k.shape[2], v.shape[3]
+  query_chunk = query_chunk or default_query_chunk(q, k, v, indices)
+  split, join = _chunked(query_chunk, T)
+
+  def chunk_grads(acc, xs):
+    dk_acc, dv_acc, dsink_acc = acc
+    q_c, idx_c, out_c, lse_c, dout_c, dlse_c = xs
+    tc = q_c.shape[1]
+    logits = attention_logits_at(q_c, k, idx_c, scale)
+    p = probs_from_lse(logits, lse_c)  # [B, tc, H, K]
+    dout_f = dout_c.astype(jnp.float32)
+    delta = jnp.sum(dout_f * out_c.astype(jnp.float32), axis=-1)  # [B, tc, H]
+    k_sel = gather_rows(k, idx_c).astype(jnp.float32)  # [B, tc, K, G, Dk]
+    v_sel = gather_rows(v, idx_c).astype(jnp.float32)  # [B, tc, K, G, Dv]
+    dout_g = dout_f.reshape(B, tc, G, H // G, Dv)
+    dp = jnp.einsum("btgnd,btjgd->btgnj", dout_g, v_sel, precision=_HIGHEST).reshape(p.shape)
+    ds = p * (dp - delta[..., None] + dlse_c[..., None])
+    ds_g = ds.reshape(B, tc, G, H // G, -1)
+    p_g = p.reshape(ds_g.shape)
+    q_g = q_c.astype(jnp.float32).reshape(B, tc, G, H // G, Dk)
+    dq = scale * jnp.einsum("btgnj,btjgd->btgnd", ds_g, k_sel, precision=_HIGHEST)
+    dk_sel = scale * jnp.einsum("btgnj,btgnd->btjgd", ds_g, q_g, precision=_HIGHEST)
+    dv_sel = jnp.einsum("btgnj,btgnd->btjgd", p_g, dout_g, precision=_HIGHEST)
+    target = jnp.where(valid_indices(idx_c, S), idx_c, S).reshape(B, -1)  # S = dropped
+    scatter = jax.vmap(lambda acc_b, i_b, x_b: acc_b.at[i_b].add(x_b, mode="drop"))
+    dk_acc = scatter(dk_acc, target, dk_sel.reshape(B, -1, G, Dk))
+    dv_acc = scatter(dv_acc, target, dv_sel.reshape(B, -1, G, Dv))
+    if sinks is not None:
+      p_sink = jnp.exp(sinks.astype(jnp.float32) - lse_c)  # [B, tc, H]; lse is finite with sinks
+      dsink_acc = dsink_acc + jnp.sum(p_sink * (dlse_c - delta), axis=(0, 1))
+    return (dk_acc, dv_acc, dsink_acc), dq.reshape(B, tc, H, Dk)
+
+  init = (
+      jnp.zeros((B, S, G, Dk), jnp.float32),
+      jnp.zeros((B, S, G, Dv), jnp.float32),
+      jnp.zeros((H,), jnp.float32),
+  )
+  xs = (split(q), split(indices, -1), split(out), split(lse), split(dout), split(dlse))
+  (dk, dv, dsinks), dq = jax.lax.scan(chunk_grads, init, xs)
+  dsinks = None if sinks is None else dsinks.astype(sinks.dtype)
+  return join(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks
+
+
+def default_query_chunk(q, k, v, indices) -> int:
+  """Largest power-of-two query chunk whose gathered tiles stay within about 256 MiB of f32."""
+  B, T, H, Dk = q.shape
+  G, Dv, K = k.shape[2], v.shape[3], indices.shape[2]
+  per_row = B * (K * G * (Dk + Dv) + 3 * H * K)
+  chunk = max(1, (1 << 26) // max(per_row, 1))
+  return min(T, 1 << (chunk.bit_length() - 1))
+
+
+def sparse_attention_reference(
+    q: Float[Array, "B T H Dk"],
+    k: Float[Array, "B S G Dk"],
+    v: Float[Array, "B S G Dv"],
+    indices: Int[Array, "B T K"],
+    *,
+    scale: float,
+    sinks: Float[Array, "H"] | None = None,
+    query_chunk: int | None = None,
+) -> tuple[Float[Array, "B T H Dv"], Float[Array, "B T H"]]:
+  """Softmax attention of each query over its listed keys, `query_chunk` queries at a time.
+
+  Memory is O(query_chunk * K * G * (Dk + Dv)) for the gathered tiles, never O(T * K * D). The
+  custom_vjp keeps (indices, out, lse) as residuals (`attention_with_saved_residuals`).
+
+  Returns:
+    (out in q.dtype [B, T, H, Dv], lse f32[B, T, H]).
+  """
+  return attention_with_saved_residuals(
+      functools.partial(sparse_attention_forward_reference, query_chunk=query_chunk),
+      functools.partial(sparse_attention_backward_reference, query_chunk=query_chunk),
+      q, k, v, indices.astype(jnp.int32), scale=float(scale), sinks=sinks,
+  )

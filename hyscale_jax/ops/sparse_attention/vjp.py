@@ -1,0 +1,45 @@
+"""The custom_vjp glue every sparse-attention backend shares: forward once, residuals saved by name."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from hyscale_jax import remat
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attach_backward(backward, scale, q, k, v, indices, sinks, out, lse):
+  del backward, scale, q, k, v, indices, sinks
+  return out, lse
+
+
+def _attach_backward_fwd(backward, scale, q, k, v, indices, sinks, out, lse):
+  return (out, lse), (q, k, v, indices, sinks, out, lse)
+
+
+def _attach_backward_bwd(backward, scale, residuals, cotangents):
+  dq, dk, dv, dsinks = backward(residuals, cotangents, scale=scale)
+  return dq, dk, dv, None, dsinks, None, None
+
+
+_attach_backward.defvjp(_attach_backward_fwd, _attach_backward_bwd)
+
+
+def attention_with_saved_residuals(forward, backward, q, k, v, indices, *, scale, sinks=None):
+  """Runs `forward` once, tags (out, lse) for remat, and differentiates through `backward`.
+
+  The forward runs outside any custom_vjp rule, on detached inputs, and its outputs are named
+  `remat.ATTENTION_OUT` / `remat.ATTENTION_LSE` right there. The custom_vjp that follows takes
+  them as plain inputs and keeps them (with `indices`) as its residuals, so the
+  `"selection_replay"` policy saves exactly what the backward reads and never reruns `forward`.
+
+  Args:
+    forward: `(q, k, v, indices, *, scale, sinks) -> (out, lse)`.
+    backward: `((q, k, v, indices, sinks, out, lse), (dout, dlse), *, scale) -> (dq, dk, dv, dsinks)`.
+  """
+  detached = jax.lax.stop_gradient((q, k, v, sinks))
+  out, lse = forward(*detached[:3], indices, scale=scale, sinks=detached[3])
+  out, lse = remat.tag(out, remat.ATTENTION_OUT), remat.tag(lse, remat.ATTENTION_LSE)
+  return _attach_backward(backward, scale, q, k, v, indices, sinks, out, lse)

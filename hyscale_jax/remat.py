@@ -1,0 +1,76 @@
+"""Rematerialization vocabulary: the checkpoint names the ops tag, and the policies built from them.
+
+Selection replay: `ops.flash_topk` tags its outputs with `SELECTION` right where they are made, and
+`ops.sparse_attention` tags its `out` and `lse` with `ATTENTION_OUT` / `ATTENTION_LSE`. The
+`"selection_replay"` policy saves exactly these, so the backward pass of a rematerialized layer
+reuses the forward pass's selection (no second top-k) and the attention's residuals (no second
+attention forward), and recomputes everything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, TypeVar, get_args
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+SELECTION = "hyscale_selection"
+ATTENTION_OUT = "hyscale_attention_out"
+ATTENTION_LSE = "hyscale_attention_lse"
+
+RematPolicy = Literal["selection_replay", "full", "none"]
+REMAT_POLICIES: tuple[str, ...] = get_args(RematPolicy)
+
+F = TypeVar("F", bound=Callable)
+
+
+def tag(x, name: str):
+  """Names every array in the pytree `x` for the remat policies (identity otherwise)."""
+  return jax.tree.map(lambda a: checkpoint_name(a, name), x)
+
+
+def checkpoint_policy(policy: RematPolicy):
+  """The `jax.checkpoint` policy for a policy name, or None for `"none"` (no rematerialization).
+
+  - `"selection_replay"`: save the selection and the attention's out/lse, recompute the rest.
+  - `"full"`: save nothing; the backward pass reruns selection (the Megatron-style baseline).
+  - `"none"`: no remat; every residual is kept.
+
+  Raises:
+    ValueError: `policy` is not one of REMAT_POLICIES.
+  """
+  if policy == "selection_replay":
+    return jax.checkpoint_policies.save_only_these_names(SELECTION, ATTENTION_OUT, ATTENTION_LSE)
+  if policy == "full":
+    return jax.checkpoint_policies.nothing_saveable
+  if policy == "none":
+    return None
+  raise ValueError(f"remat {policy=!r} is not one of {REMAT_POLICIES}.")
+
+
+def remat(fn: F, policy: RematPolicy = "selection_replay", *, prevent_cse: bool = True) -> F:
+  """Wraps `fn` in `jax.checkpoint` with the named policy (returns `fn` itself for `"none"`)."""
+  jax_policy = checkpoint_policy(policy)
+  if policy == "none":
+    return fn
+  return jax.checkpoint(fn, policy=jax_policy, prevent_cse=prevent_cse)
+
+
+def count_named_equations(jaxpr, fragment: str = "flash_topk") -> int:
+  """Counts equations whose `name` parameter contains `fragment`, without looking inside them.
+
+  `count_named_equations(jax.make_jaxpr(jax.grad(loss))(...))` is how many selections a training
+  step asks for: one per indexer layer under `"selection_replay"`, two under `"full"`.
+  """
+  import jax.extend.core  # noqa: PLC0415  (jax.extend must be imported explicitly)
+
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  count = 0
+  for eqn in jaxpr.eqns:
+    if fragment in str(eqn.params.get("name", "")):
+      count += 1
+      continue
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      count += count_named_equations(sub, fragment)
+  return count

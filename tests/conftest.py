@@ -1,0 +1,10 @@
+"""Test setup: CPU platform with 8 fake devices, configured before JAX initialises a backend."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)
