@@ -1,0 +1,32 @@
+# Two entry points, each setting up .venv on a fresh machine first:
+#   make train   # trains the default config (CPU here, the GPU when present)
+#   make test    # runs the test suite (slow tests too when SLOW=1)
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+# jax 0.11.2 needs Python 3.12: take python3.12 from PATH, else pyenv's 3.12.x.
+PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $$(pyenv root 2>/dev/null)/versions/3.12.*/bin/python 2>/dev/null | tail -n 1)
+CONFIG ?= configs/selection_demo.py
+WORKDIR ?= runs/selection_demo
+TRAIN_ARGS ?=
+PYTEST_ARGS ?=
+MARKERS := $(if $(filter 1 true,$(SLOW)),,-m "not slow")
+
+.PHONY: setup train test clean
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it or set PYTHON312=/path/to/python3.12" >&2; exit 1; }
+	$(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+train: setup
+	$(PY) train.py --config=$(CONFIG) --workdir=$(WORKDIR) $(TRAIN_ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(MARKERS) $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,48 @@
+"""Defaults shared by every experiment; model files override only what differs."""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  # Which runnable task train.py hands the config to.
+  config.task = ""
+  # Seed for parameters and data order.
+  config.seed = 0
+
+  # Backend per op: "auto" (pallas on GPU, reference elsewhere), "pallas", "reference", "xla_baseline".
+  config.ops = ml_collections.ConfigDict()
+  config.ops.flash_topk = "auto"
+  config.ops.sparse_attention = "auto"
+  config.ops.indexer_loss = "auto"
+
+  config.model = ml_collections.ConfigDict()
+  # "selection_replay" (save the selection), "full" (Megatron-style: reselect in backward) or "none".
+  config.model.remat_policy = "selection_replay"
+
+  config.optim = ml_collections.ConfigDict()
+  # Peak learning rate of the cosine schedule.
+  config.optim.learning_rate = 1e-3
+  # Linear warm-up steps of the learning rate.
+  config.optim.warmup_steps = 10
+  # AdamW decoupled weight decay.
+  config.optim.weight_decay = 0.0
+  # Global-norm gradient clipping (0 disables).
+  config.optim.grad_clip = 1.0
+
+  config.data = ml_collections.ConfigDict()
+  # Tokens per sequence.
+  config.data.seq_len = 256
+  # Sequences per step.
+  config.data.batch_size = 4
+
+  config.train = ml_collections.ConfigDict()
+  # Optimizer steps to run in total (a resumed run continues up to this count).
+  config.train.steps = 100
+  # Log metrics every this many steps.
+  config.train.log_every = 10
+  # Save a checkpoint every this many steps (and at the end).
+  config.train.checkpoint_every = 50
+  # Show a progress bar on stderr.
+  config.train.progress_bar = True
+  return config

@@ -1,0 +1,28 @@
+"""Entry point: `python train.py --config=configs/<name>.py[:variant] --workdir=DIR [--config.x=y]`."""
+
+import importlib
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/selection_demo.py", "Experiment config.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", "runs/selection_demo", "Checkpoints and metrics go here.")
+
+_TASKS = {"selection_demo": "hyscale_jax.training.selection_demo"}
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO; -v 0 shows it
+  config = _CONFIG.value
+  if config.task not in _TASKS:
+    raise app.UsageError(f"config.task={config.task!r} is not one of {sorted(_TASKS)}")
+  logging.info("task %s, workdir %s\n%s", config.task, _WORKDIR.value, config)
+  importlib.import_module(_TASKS[config.task]).train_and_evaluate(config, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
