@@ -4,8 +4,9 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-# jax 0.11.2 needs Python 3.12: take python3.12 from PATH, else pyenv's 3.12.x.
-PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $$(pyenv root 2>/dev/null)/versions/3.12.*/bin/python 2>/dev/null | tail -n 1)
+# jax 0.11.2 needs Python 3.12: pyenv's 3.12.x if present, else a working python3.12 on PATH.
+PYTHON312 ?= $(shell for p in $$(ls -d $$(pyenv root 2>/dev/null)/versions/3.12.*/bin/python 2>/dev/null | sort -V -r) $$(command -v python3.12); do \
+  "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)
 CONFIG ?= configs/selection_demo.py
 WORKDIR ?= runs/selection_demo
 TRAIN_ARGS ?=
