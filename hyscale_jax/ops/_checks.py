@@ -53,3 +53,16 @@ def check_scalar_int(name: str, value) -> None:
 def check_static_float(name: str, value) -> None:
   if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
     raise ValueError(f"{name} must be a Python float, got {name}={value!r}.")
+
+
+def check_segment_ids(segment_ids, B: int, Tq: int, Tk: int) -> None:
+  """`segment_ids` is None or a pair (q_seg int[B, Tq], kv_seg int[B, Tk])."""
+  if segment_ids is None:
+    return
+  if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
+    raise ValueError(f"segment_ids must be a pair (q_seg [B, Tq], kv_seg [B, Tk]), got {segment_ids!r}.")
+  for name, seg, shape in (("q_seg", segment_ids[0], (B, Tq)), ("kv_seg", segment_ids[1], (B, Tk))):
+    check_rank(f"segment_ids {name}", seg, 2, "B, T")
+    check_int(f"segment_ids {name}", seg)
+    if tuple(seg.shape) != shape:
+      raise ValueError(f"segment_ids {name}.shape={tuple(seg.shape)} must be {shape}.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -32,6 +33,13 @@ class BackendRegistry:
     self.op_name = op_name
     self.implementations: dict[str, Callable[..., Any]] = dict(implementations)
     self._auto_order = {k: tuple(v) for k, v in auto_order.items()}
+
+  def register_optional(self, name: str, module: str, attribute: str) -> None:
+    """Registers `module.attribute` as backend `name` if it imports (e.g. GPU-only kernels)."""
+    try:
+      self.implementations[name] = getattr(importlib.import_module(module), attribute)
+    except ImportError:
+      pass
 
   def candidates(self, backend: str) -> tuple[str, ...]:
     """The implementation names to try, in order, for `backend`.

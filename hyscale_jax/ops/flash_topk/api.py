@@ -14,19 +14,13 @@ from hyscale_jax.ops import _checks
 from hyscale_jax.ops._registry import Backend, BackendRegistry
 from hyscale_jax.ops.flash_topk.reference import flash_topk_reference, flash_topk_xla_baseline
 
-_IMPLEMENTATIONS = {"reference": flash_topk_reference, "xla_baseline": flash_topk_xla_baseline}
-try:  # The Pallas kernel is optional: it lands with its own issue.
-  from pallas_kernels.flash_topk import flash_topk_pallas  # type: ignore[import-not-found]
-
-  _IMPLEMENTATIONS["pallas"] = flash_topk_pallas
-except ImportError:
-  pass
-
 REGISTRY = BackendRegistry(
     "flash_topk",
-    _IMPLEMENTATIONS,
+    {"reference": flash_topk_reference, "xla_baseline": flash_topk_xla_baseline},
     auto_order={"gpu": ("pallas", "reference"), "default": ("reference",)},
 )
+# The Pallas kernel lands with its own issue; until then "auto" uses the reference everywhere.
+REGISTRY.register_optional("pallas", "pallas_kernels.flash_topk", "flash_topk_pallas")
 
 
 class TopK(NamedTuple):
@@ -114,12 +108,4 @@ def _check_args(q, k, weights, topk, compress_ratio, q_offset, segment_ids, scal
   _checks.check_positive_int("compress_ratio", compress_ratio)
   _checks.check_scalar_int("q_offset", q_offset)
   _checks.check_static_float("scale", scale)
-  if segment_ids is not None:
-    if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
-      raise ValueError(f"segment_ids must be a pair (q_seg [B, Tq], kv_seg [B, Tk]), got {segment_ids!r}.")
-    q_seg, kv_seg = segment_ids
-    for name, seg, shape in (("q_seg", q_seg, (B, Tq)), ("kv_seg", kv_seg, (B, k.shape[1]))):
-      _checks.check_rank(f"segment_ids {name}", seg, 2, "B, T")
-      _checks.check_int(f"segment_ids {name}", seg)
-      if tuple(seg.shape) != shape:
-        raise ValueError(f"segment_ids {name}.shape={tuple(seg.shape)} must be {shape}.")
+  _checks.check_segment_ids(segment_ids, B, Tq, k.shape[1])

@@ -24,12 +24,7 @@ def index_scores(
   so that the ReLU plateau is one tie class for the (score desc, index asc) order.
   """
   dots = jnp.einsum("bthd,bsd->bths", q, k, preferred_element_type=jnp.float32, precision=_HIGHEST)
-  relu = jnp.maximum(dots, 0.0)
-  if weights is None:
-    score = relu.sum(axis=2)
-  else:
-    score = (relu * weights.astype(jnp.float32)[..., None]).sum(axis=2)
-  score = score * jnp.float32(scale)
+  score = _weighted_relu_head_sum(dots, weights, scale)
   return jnp.where(score == 0.0, 0.0, score)
 
 
@@ -46,10 +41,15 @@ def index_scores_at(
   dots = jnp.einsum(
       "bthd,btjd->bthj", q, k_sel, preferred_element_type=jnp.float32, precision=_HIGHEST
   )
-  relu = jnp.maximum(dots, 0.0)
-  if weights is None:
-    return relu.sum(axis=2) * jnp.float32(scale)
-  return (relu * weights.astype(jnp.float32)[..., None]).sum(axis=2) * jnp.float32(scale)
+  return _weighted_relu_head_sum(dots, weights, scale)
+
+
+def _weighted_relu_head_sum(dots, weights, scale):
+  """f32 `scale * sum_h w[b,t,h] * relu(dots[b,t,h,s])` over axis 2 of dots [B, T, H, S]."""
+  relu = jax.nn.relu(dots)  # relu'(0) = 0: exact zero dots get no gradient
+  if weights is not None:
+    relu = relu * weights.astype(jnp.float32)[..., None]
+  return relu.sum(axis=2) * jnp.float32(scale)
 
 
 def _merge_topk(best, cand, topk: int):
@@ -76,18 +76,21 @@ def flash_topk_reference(
     segment_ids: tuple[Int[Array, "B Tq"], Int[Array, "B Tk"]] | None = None,
     scale: float = 1.0,
     query_block: int = 64,
-    key_chunk: int = 256,
+    key_chunk: int | None = None,
 ) -> tuple[Int[Array, "B Tq topk"], Float[Array, "B Tq topk"]]:
   """Exact streaming top-k: query blocks x key chunks with a running (score desc, index asc) merge.
 
   Memory is O(Tq * (key_chunk + topk) + query_block * H * key_chunk); the [Tq, Tk] table is never
-  built. Key chunks that are entirely in the causal future of a query block are skipped.
+  built. Key chunks that are entirely in the causal future of a query block are skipped. Each
+  merge sorts topk + key_chunk candidates, so the default chunk is about topk keys (at least 256).
 
   Returns:
     (indices i32[B, Tq, topk], scores f32[B, Tq, topk]); empty slots hold (-1, -inf).
   """
   B, Tq, H, _ = q.shape
   Tk = k.shape[1]
+  if key_chunk is None:
+    key_chunk = max(256, 1 << (topk - 1).bit_length())
   bq, ck = min(query_block, Tq), min(key_chunk, Tk)
   n_chunks = st.cdiv(Tk, ck)
   k = st.pad_axis(k, 1, n_chunks * ck)

@@ -68,7 +68,8 @@ def indexer_loss(
   Raises:
     ValueError: on mismatched shapes, bad dtypes, or `attn_lse=None` in the sparse form.
   """
-  _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, compress_ratio, q_offset)
+  _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, compress_ratio, q_offset,
+              segment_ids)
   attn_q, attn_k, attn_lse = jax.lax.stop_gradient((attn_q, attn_k, attn_lse))
   names = REGISTRY.candidates(backend)
   return REGISTRY.run(
@@ -78,7 +79,8 @@ def indexer_loss(
   )
 
 
-def _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, compress_ratio, q_offset):
+def _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, compress_ratio, q_offset,
+                segment_ids):
   _checks.check_rank("index_q", index_q, 4, "B, T, HI, DI")
   _checks.check_rank("index_k", index_k, 3, "B, S, DI")
   _checks.check_rank("attn_q", attn_q, 4, "B, T, H, Dk")
@@ -118,3 +120,4 @@ def _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indic
       raise ValueError("attn_lse is required in the sparse form (indices given): pass sparse_attention's lse.")
   _checks.check_positive_int("compress_ratio", compress_ratio)
   _checks.check_scalar_int("q_offset", q_offset)
+  _checks.check_segment_ids(segment_ids, B, T, S)

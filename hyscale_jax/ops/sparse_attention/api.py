@@ -9,19 +9,13 @@ from hyscale_jax.ops import _checks
 from hyscale_jax.ops._registry import Backend, BackendRegistry
 from hyscale_jax.ops.sparse_attention.reference import sparse_attention_reference
 
-_IMPLEMENTATIONS = {"reference": sparse_attention_reference}
-try:  # The Pallas kernels are optional: they land with their own issue.
-  from pallas_kernels.sparse_attention import sparse_attention_pallas  # type: ignore[import-not-found]
-
-  _IMPLEMENTATIONS["pallas"] = sparse_attention_pallas
-except ImportError:
-  pass
-
 REGISTRY = BackendRegistry(
     "sparse_attention",
-    _IMPLEMENTATIONS,
+    {"reference": sparse_attention_reference},
     auto_order={"gpu": ("pallas", "reference"), "default": ("reference",)},
 )
+# The Pallas kernel lands with its own issue; until then "auto" uses the reference everywhere.
+REGISTRY.register_optional("pallas", "pallas_kernels.sparse_attention", "sparse_attention_pallas")
 
 
 def sparse_attention(
