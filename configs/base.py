@@ -7,8 +7,6 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   # Which runnable task train.py hands the config to.
   config.task = ""
-  # Seed for parameters and data order.
-  config.seed = 0
 
   # Backend per op: "auto" (pallas on GPU, reference elsewhere), "pallas", "reference", "xla_baseline".
   config.ops = ml_collections.ConfigDict()
@@ -24,7 +22,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Peak learning rate of the cosine schedule.
   config.optim.learning_rate = 1e-3
   # Linear warm-up steps of the learning rate.
-  config.optim.warmup_steps = 10
+  config.optim.lr_warmup_steps = 10
   # AdamW decoupled weight decay.
   config.optim.weight_decay = 0.0
   # Global-norm gradient clipping (0 disables).
@@ -37,6 +35,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.batch_size = 4
 
   config.train = ml_collections.ConfigDict()
+  # Seed for parameters and data order.
+  config.train.seed = 0
   # Optimizer steps to run in total (a resumed run continues up to this count).
   config.train.steps = 100
   # Log metrics every this many steps.

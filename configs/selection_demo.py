@@ -21,5 +21,5 @@ def get_config():
   config.model.topk = 32
   config.train.steps = 200
   # Steps of the dense warm-up (dense KL, no selection) before the sparse stage.
-  config.train.dense_warmup_steps = 40
+  config.train.warmup_steps = 40
   return config

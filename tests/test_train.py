@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = [
     "--config.data.seq_len=64", "--config.data.batch_size=2", "--config.model.topk=8",
     "--config.train.log_every=2", "--config.train.checkpoint_every=3",
-    "--config.train.dense_warmup_steps=3", "--config.train.progress_bar=false",
+    "--config.train.warmup_steps=3", "--config.train.progress_bar=false",
 ]
 
 

@@ -81,12 +81,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[
   """
   cfg, train = config.model, config.train
   policy = remat.checkpoint_policy(cfg.remat_policy) and cfg.remat_policy  # validates the name
-  teacher = _teacher_params(jax.random.key(config.seed), cfg)
+  teacher = _teacher_params(jax.random.key(train.seed), cfg)
   indexer = LightningIndexer(cfg.d_model, cfg.d_model, cfg.index_heads, cfg.index_head_dim,
-                             rngs=nnx.Rngs(config.seed + 1))
+                             rngs=nnx.Rngs(train.seed + 1))
   graphdef, params = nnx.split(indexer, nnx.Param)
+  lr_warmup = config.optim.lr_warmup_steps
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, config.optim.learning_rate, config.optim.warmup_steps, max(train.steps, config.optim.warmup_steps + 1))
+      0.0, config.optim.learning_rate, lr_warmup, max(train.steps, lr_warmup + 1))
   tx = optax.chain(
       optax.clip_by_global_norm(config.optim.grad_clip) if config.optim.grad_clip else optax.identity(),
       optax.adamw(schedule, weight_decay=config.optim.weight_decay),
@@ -117,14 +118,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[
     return _teacher_topk_recall(selected, q, k, cfg.attn_sharpness * cfg.attn_head_dim**-0.5, cfg.topk)
 
   batches = data_lib.ByteWindows(data_lib.bundled_text(), seq_len=config.data.seq_len,
-                                 batch_size=config.data.batch_size, seed=config.seed)
+                                 batch_size=config.data.batch_size, seed=train.seed)
   eval_tokens = data_lib.ByteWindows(data_lib.bundled_text(), seq_len=config.data.seq_len,
-                                     batch_size=config.data.batch_size, seed=config.seed + 1).batch(0)
+                                     batch_size=config.data.batch_size, seed=train.seed + 1).batch(0)
   logged, window_start, window_steps = [], time.perf_counter(), 0
   bar = tqdm(range(start, train.steps), initial=start, total=train.steps, disable=not train.progress_bar,
              desc="selection_demo", unit="step")
   for step in bar:
-    dense = step < train.dense_warmup_steps
+    dense = step < train.warmup_steps
     state, loss = train_step(state, batches.batch(step), dense)
     window_steps += 1
     done = step + 1
