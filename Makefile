@@ -1,5 +1,5 @@
 # Two entry points, each setting up .venv on a fresh machine first:
-#   make train   # trains the default config (CPU here, the GPU when present)
+#   make train   # trains the tiny GLM-5.1 on real text (CPU here, the GPU when present)
 #   make test    # runs the test suite (slow tests too when SLOW=1)
 SHELL := /bin/bash
 VENV := .venv
@@ -7,8 +7,8 @@ PY := $(VENV)/bin/python
 # jax 0.11.2 needs Python 3.12: pyenv's 3.12.x if present, else a working python3.12 on PATH.
 PYTHON312 ?= $(shell for p in $$(ls -d $$(pyenv root 2>/dev/null)/versions/3.12.*/bin/python 2>/dev/null | sort -V -r) $$(command -v python3.12); do \
   "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)
-CONFIG ?= configs/selection_demo.py
-WORKDIR ?= runs/selection_demo
+CONFIG ?= configs/glm5_1.py:tiny
+WORKDIR ?= runs/glm5_1_tiny
 TRAIN_ARGS ?=
 PYTEST_ARGS ?=
 MARKERS := $(if $(filter 1 true,$(SLOW)),,-m "not slow")

@@ -5,11 +5,14 @@ import importlib
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/selection_demo.py", "Experiment config.",
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/glm5_1.py:tiny", "Experiment config.",
                                           lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", "runs/selection_demo", "Checkpoints and metrics go here.")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/glm5_1_tiny", "Checkpoints and metrics go here.")
 
-_TASKS = {"selection_demo": "hyscale_jax.training.selection_demo"}
+_TASKS = {
+    "lm": "hyscale_jax.training.lm",
+    "selection_demo": "hyscale_jax.training.selection_demo",
+}
 
 
 def main(argv):

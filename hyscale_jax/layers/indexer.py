@@ -1,19 +1,42 @@
-"""The DSA lightning indexer (DeepSeek-V3.2 §2.1): per-head queries, one shared key, head weights."""
+"""The DSA lightning indexer (DeepSeek-V3.2 §2.1, GLM-5): per-head queries, one shared key, head weights."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
+
+from hyscale_jax.layers.rope import apply_rope
+
+
+def hadamard_matrix(n: int) -> np.ndarray:
+  """The orthonormal Sylvester-Hadamard matrix H_n / sqrt(n); n is a power of two."""
+  if n < 1 or n & (n - 1):
+    raise ValueError(f"the Hadamard rotation needs a power-of-two head dim, got {n=}.")
+  h = np.ones((1, 1))
+  while h.shape[0] < n:
+    h = np.block([[h, h], [h, -h]])
+  return h / np.sqrt(n)
 
 
 class LightningIndexer(nnx.Module):
   """Produces the inputs of `ops.flash_topk` and `ops.indexer_loss` from a block's hidden state.
 
-  Attribute names follow the Hugging Face DSA checkpoints (`wq_b`, `wk`, `k_norm`, `weights_proj`).
-  The inputs are detached: the indexer learns only from the indexer KL loss, never from the LM loss.
-  `weights_proj` is kept in f32, as in the reference.
+  Score: `I[t, s] = score_scale * sum_j w[t, j] * relu(<q[t, j], k[s]>)`. Attribute names follow
+  the Hugging Face DSA checkpoints (`wq_b`, `wk`, `k_norm`, `weights_proj`); `weights_proj` is kept
+  in f32, as in the reference. The inputs are detached: the indexer learns only from the indexer
+  KL loss, never from the LM loss.
+
+  Flags that published checkpoints disagree on (architectures.md §2):
+    rope_interleave: RoPE pairs (2i, 2i+1) when True, half-split when False.
+    rope_first: RoPE on the first `rope_dim` dims (`[pe | nope]`) when True, else on the last.
+    scoring_relu: when False the score is linear, `sum_j w_j <q_j, k>`. It is computed exactly by
+      the same ReLU-sum op as two heads `q' = sum_j w_j q_j` and `-q'` with weights (1, -1), since
+      relu(a) - relu(-a) = a.
+    hadamard: rotate q and k by the orthonormal Hadamard matrix (leaves scores unchanged in exact
+      arithmetic; the reference uses it for FP8).
   """
 
   def __init__(
@@ -23,11 +46,23 @@ class LightningIndexer(nnx.Module):
       num_heads: int,
       head_dim: int,
       *,
+      rope_dim: int = 0,
+      rope_theta: float = 10000.0,
+      rope_interleave: bool = False,
+      rope_first: bool = True,
+      scoring_relu: bool = True,
+      hadamard: bool = False,
       rngs: nnx.Rngs,
       dtype: jnp.dtype = jnp.float32,
       param_dtype: jnp.dtype = jnp.float32,
   ):
-    self.num_heads, self.head_dim = num_heads, head_dim
+    if not 0 <= rope_dim <= head_dim or rope_dim % 2:
+      raise ValueError(f"indexer {rope_dim=} must be even and in [0, {head_dim=}].")
+    if hadamard:
+      hadamard_matrix(head_dim)  # validates the size now rather than at the first call
+    self.num_heads, self.head_dim, self.rope_dim = num_heads, head_dim, rope_dim
+    self.rope_theta, self.rope_interleave, self.rope_first = rope_theta, rope_interleave, rope_first
+    self.scoring_relu, self.hadamard = scoring_relu, hadamard
     linear = lambda i, o, **kw: nnx.Linear(i, o, use_bias=False, rngs=rngs, **kw)
     self.wq_b = linear(q_lora_rank, num_heads * head_dim, dtype=dtype, param_dtype=param_dtype)
     self.wk = linear(d_model, head_dim, dtype=dtype, param_dtype=param_dtype)
@@ -39,18 +74,41 @@ class LightningIndexer(nnx.Module):
     """The d_I^{-1/2} factor of the index score (pass as `scale=` to the ops)."""
     return self.head_dim**-0.5
 
+  def _rope(self, x, positions):
+    if not self.rope_dim:
+      return x
+    r = self.rope_dim
+    pe, nope = (x[..., :r], x[..., r:]) if self.rope_first else (x[..., -r:], x[..., :-r])
+    pe = apply_rope(pe, positions, theta=self.rope_theta, interleaved=self.rope_interleave)
+    return jnp.concatenate([pe, nope] if self.rope_first else [nope, pe], axis=-1)
+
   def __call__(
-      self, x: Float[Array, "B T D"], q_latent: Float[Array, "B T L"]
+      self,
+      x: Float[Array, "B T D"],
+      q_latent: Float[Array, "B T L"],
+      positions: Int[Array, "B T"] | None = None,
   ) -> tuple[Float[Array, "B T HI DI"], Float[Array, "B T DI"], Float[Array, "B T HI"]]:
     """Returns (q [B, T, HI, DI], k [B, T, DI], weights f32[B, T, HI]) from detached inputs.
+
+    With `scoring_relu=False`, HI is 2 (see the class docstring).
 
     Args:
       x: [B, T, D] the attention block's input (after the pre-attention norm).
       q_latent: [B, T, L] the normalised query latent c^Q (or x itself without a q low-rank path).
+      positions: i32[B, T] token positions for RoPE (default 0..T-1).
     """
     x, q_latent = jax.lax.stop_gradient((x, q_latent))
     B, T, _ = x.shape
-    q = self.wq_b(q_latent).reshape(B, T, self.num_heads, self.head_dim)  # [B, T, HI, DI]
-    k = self.k_norm(self.wk(x))  # [B, T, DI]
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    q = self._rope(self.wq_b(q_latent).reshape(B, T, self.num_heads, self.head_dim), positions)
+    k = self._rope(self.k_norm(self.wk(x)), positions)  # [B, T, DI]
+    if self.hadamard:
+      rotation = jnp.asarray(hadamard_matrix(self.head_dim), q.dtype)
+      q, k = q @ rotation, k @ rotation
     weights = self.weights_proj(x.astype(jnp.float32)) * self.num_heads**-0.5  # [B, T, HI]
+    if not self.scoring_relu:
+      merged = jnp.einsum("bthd,bth->btd", q.astype(jnp.float32), weights).astype(q.dtype)
+      q = jnp.stack([merged, -merged], axis=2)  # [B, T, 2, DI]
+      weights = jnp.broadcast_to(jnp.asarray([1.0, -1.0], jnp.float32), (B, T, 2))
     return q, k, weights

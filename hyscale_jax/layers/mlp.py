@@ -1,0 +1,53 @@
+"""The SwiGLU feed-forward block: dense FFN layers and the MoE's shared experts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward: `down_proj(silu(gate_proj(x)) * up_proj(x))`.
+
+  Attribute names follow the Hugging Face checkpoint keys (`gate_proj`, `up_proj`, `down_proj`),
+  so conversion is a key map. No biases, as in the DeepSeek and GLM checkpoints.
+  """
+
+  def __init__(
+      self,
+      d_model: int,
+      hidden: int,
+      *,
+      rngs: nnx.Rngs,
+      dtype: jnp.dtype = jnp.float32,
+      param_dtype: jnp.dtype = jnp.float32,
+  ):
+    """Builds the three projections.
+
+    Args:
+      d_model: D, the model width (input and output).
+      hidden: F, the inner width.
+      rngs: supplies the `params` stream for the kernels.
+      dtype: compute dtype of the matmuls.
+      param_dtype: storage dtype of the kernels.
+    """
+    linear = lambda i, o: nnx.Linear(
+        i, o, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype
+    )
+    self.gate_proj = linear(d_model, hidden)
+    self.up_proj = linear(d_model, hidden)
+    self.down_proj = linear(hidden, d_model)
+
+  def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+    """Applies the SwiGLU block.
+
+    Args:
+      x: bf16|f32[B, T, D] (any leading dims work; only the last one is contracted).
+
+    Returns:
+      [B, T, D] in the module `dtype` (nnx.Linear promotes its inputs to it).
+    """
+    h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)  # [B, T, F]
+    return self.down_proj(h)  # [B, T, D]

@@ -1,0 +1,207 @@
+"""DeepSeek-style MoE: noaux_tc top-k routing, `ragged_dot` grouped-matmul experts, shared experts."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from hyscale_jax.layers.mlp import MLP
+
+Scoring = Literal["sigmoid", "sqrtsoftplus", "softmax"]
+SCORINGS: tuple[str, ...] = ("sigmoid", "sqrtsoftplus", "softmax")
+
+
+class RouterBias(nnx.Variable):
+  """The noaux_tc expert-selection bias (HF `e_score_correction_bias`).
+
+  Deliberately not an `nnx.Param`: optimisers built over `nnx.Param` never see it, and it is moved
+  by `update_router_bias` from the observed expert load instead of by gradients.
+  """
+
+
+def _scores(logits: Float[Array, "N E"], scoring: str) -> Float[Array, "N E"]:
+  """Per-expert affinities from f32 router logits."""
+  if scoring == "sigmoid":
+    return jax.nn.sigmoid(logits)
+  if scoring == "sqrtsoftplus":
+    return jnp.sqrt(jax.nn.softplus(logits))
+  return jax.nn.softmax(logits, axis=-1)
+
+
+def _init_experts(key: jax.Array, shape: tuple[int, ...], param_dtype: jnp.dtype) -> jax.Array:
+  """Normal init scaled by fan_in^{-1/2}; fan_in is the contracted (middle) axis of [E, in, out]."""
+  return (jax.random.normal(key, shape, jnp.float32) * shape[1] ** -0.5).astype(param_dtype)
+
+
+class MoE(nnx.Module):
+  """Routed SwiGLU experts plus optional shared experts (DeepSeek-V3 / GLM-5 / DeepSeek-V4 layout).
+
+  Routing (DeepSeek-V3 "noaux_tc"): f32 router logits -> scores (`sigmoid`, `sqrtsoftplus` or
+  `softmax`). The `e_score_correction_bias` is added to the scores only to *choose* experts,
+  optionally after group-limited pruning (`n_group > 1`). The combine weights are the chosen
+  experts' *unbiased* scores, optionally renormalised to sum to 1, times `routed_scaling`.
+
+  Experts are stored stacked (`experts_gate_proj` [E, D, F], `experts_up_proj` [E, D, F],
+  `experts_down_proj` [E, F, D]) and run as grouped matmuls with `jax.lax.ragged_dot` over
+  expert-sorted token copies, so the cost is O(N * k) rows, not O(N * E).
+  """
+
+  def __init__(
+      self,
+      d_model: int,
+      moe_inter: int,
+      n_routed_experts: int,
+      experts_per_token: int,
+      n_shared_experts: int,
+      *,
+      scoring: Scoring = "sigmoid",
+      routed_scaling: float = 1.0,
+      norm_topk_prob: bool = True,
+      n_group: int = 1,
+      topk_group: int = 1,
+      rngs: nnx.Rngs,
+      dtype: jnp.dtype = jnp.float32,
+      param_dtype: jnp.dtype = jnp.float32,
+  ):
+    """Builds the router, the stacked routed experts and the shared experts.
+
+    Args:
+      d_model: D, the model width.
+      moe_inter: F, the inner width of each routed expert (and of each shared expert).
+      n_routed_experts: E, the number of routed experts.
+      experts_per_token: k, the experts chosen per token, in [1, E].
+      n_shared_experts: shared experts, fused into one MLP of width `moe_inter * n_shared_experts`;
+        0 for none.
+      scoring: `"sigmoid"` (DeepSeek-V3, GLM-5), `"sqrtsoftplus"` (DeepSeek-V4) or `"softmax"`.
+      routed_scaling: factor on the routed combine weights (2.5 for V3/GLM-5, 1.5 for V4-Flash).
+      norm_topk_prob: renormalise the k chosen scores to sum to 1 before scaling.
+      n_group: expert groups for group-limited routing; must divide E (1 disables it).
+      topk_group: groups kept per token, in [1, n_group].
+      rngs: supplies the `params` stream.
+      dtype: compute dtype of the expert matmuls (they accumulate in f32).
+      param_dtype: storage dtype of the expert weights; the router is always f32.
+
+    Raises:
+      ValueError: a size or the scoring is invalid; the message names the argument.
+    """
+    if scoring not in SCORINGS:
+      raise ValueError(f"{scoring=!r} is not one of {SCORINGS}.")
+    if not 1 <= experts_per_token <= n_routed_experts:
+      raise ValueError(f"{experts_per_token=} must be in [1, {n_routed_experts=}].")
+    if n_group < 1 or n_routed_experts % n_group:
+      raise ValueError(f"{n_routed_experts=} must be divisible by {n_group=} (>= 1).")
+    if not 1 <= topk_group <= n_group:
+      raise ValueError(f"{topk_group=} must be in [1, {n_group=}].")
+    if experts_per_token > topk_group * (n_routed_experts // n_group):
+      raise ValueError(
+          f"{experts_per_token=} exceeds the {topk_group=} kept groups of "
+          f"{n_routed_experts // n_group} experts each."
+      )
+    if n_shared_experts < 0:
+      raise ValueError(f"{n_shared_experts=} must be >= 0.")
+    self.experts_per_token = experts_per_token
+    self.scoring, self.routed_scaling, self.norm_topk_prob = scoring, routed_scaling, norm_topk_prob
+    self.n_group, self.topk_group = n_group, topk_group
+    self.dtype = dtype
+    E, D, F = n_routed_experts, d_model, moe_inter
+    # The router stays f32 end to end: near-tied scores flip top-k choices under bf16 rounding.
+    self.gate = nnx.Linear(
+        D, E, use_bias=False, rngs=rngs, dtype=jnp.float32, param_dtype=jnp.float32
+    )
+    self.e_score_correction_bias = RouterBias(jnp.zeros((E,), jnp.float32))
+    self.experts_gate_proj = nnx.Param(_init_experts(rngs.params(), (E, D, F), param_dtype))
+    self.experts_up_proj = nnx.Param(_init_experts(rngs.params(), (E, D, F), param_dtype))
+    self.experts_down_proj = nnx.Param(_init_experts(rngs.params(), (E, F, D), param_dtype))
+    self.shared_experts = (
+        MLP(D, F * n_shared_experts, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        if n_shared_experts > 0
+        else None
+    )
+
+  @property
+  def n_routed_experts(self) -> int:
+    """E, read from the stacked expert weights."""
+    return self.experts_gate_proj.shape[0]
+
+  def route(self, x: Float[Array, "N D"]) -> tuple[Int[Array, "N K"], Float[Array, "N K"]]:
+    """Chooses k experts per token and their combine weights.
+
+    Args:
+      x: bf16|f32[N, D] flattened tokens; upcast to f32 for the router.
+
+    Returns:
+      (expert_ids int32[N, K], weights f32[N, K]); the weights use the unbiased scores.
+    """
+    scores = _scores(self.gate(x.astype(jnp.float32)), self.scoring)  # [N, E]
+    choice = scores + self.e_score_correction_bias[...]  # [N, E], used only for selection
+    if self.n_group > 1:
+      N, E = choice.shape
+      grouped = choice.reshape(N, self.n_group, E // self.n_group)  # [N, G, E/G]
+      # DeepSeek-V3 ranks a group by the sum of its two best biased scores.
+      top2 = jax.lax.top_k(grouped, min(2, E // self.n_group))[0].sum(-1)  # [N, G]
+      _, kept = jax.lax.top_k(top2, self.topk_group)  # [N, topk_group]
+      keep = jax.nn.one_hot(kept, self.n_group, dtype=jnp.bool_).any(axis=-2)  # [N, G]
+      # -inf, not HF's 0.0: a negative bias could otherwise let a masked expert win.
+      choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(N, E)
+    _, expert_ids = jax.lax.top_k(choice, self.experts_per_token)  # [N, K]
+    weights = jnp.take_along_axis(scores, expert_ids, axis=-1)  # [N, K]
+    if self.norm_topk_prob:
+      weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return expert_ids, weights * self.routed_scaling
+
+  def __call__(self, x: Float[Array, "B T D"]) -> tuple[Float[Array, "B T D"], Float[Array, "E"]]:
+    """Routes each token to k experts, runs them as grouped matmuls, adds the shared experts.
+
+    Args:
+      x: bf16|f32[B, T, D].
+
+    Returns:
+      (y [B, T, D] in `x.dtype`, expert_load f32[E]). The expert matmuls run in the module `dtype`
+      with f32 accumulation, and the combine is in f32. `expert_load` is the fraction of the N*k
+      routing slots sent to each expert (it sums to 1), for `update_router_bias` and logging.
+    """
+    B, T, D = x.shape
+    K, E = self.experts_per_token, self.n_routed_experts
+    flat = x.reshape(B * T, D)  # [N, D]
+    expert_ids, weights = self.route(flat)  # [N, K], [N, K]
+
+    # Sort the N*K token copies by expert so each expert's rows are contiguous for ragged_dot.
+    slot_ids = expert_ids.reshape(-1)  # [N*K]
+    order = jnp.argsort(slot_ids, stable=True)  # [N*K]
+    group_sizes = jnp.bincount(slot_ids, length=E).astype(jnp.int32)  # [E]
+    rows = flat.astype(self.dtype)[order // K]  # [N*K, D], row j is a copy of token order[j] // K
+    gmm = lambda lhs, w: jax.lax.ragged_dot(
+        lhs, w[...].astype(self.dtype), group_sizes, preferred_element_type=jnp.float32
+    )
+    h = jax.nn.silu(gmm(rows, self.experts_gate_proj)) * gmm(rows, self.experts_up_proj)  # [N*K, F]
+    out = gmm(h.astype(self.dtype), self.experts_down_proj)  # f32[N*K, D]
+    out = jnp.zeros_like(out).at[order].set(out)  # [N*K, D], back in (token, k) order
+    y = jnp.einsum("NKD,NK->ND", out.reshape(B * T, K, D), weights)  # f32[N, D]
+
+    if self.shared_experts is not None:
+      y = y + self.shared_experts(flat).astype(jnp.float32)
+    expert_load = group_sizes.astype(jnp.float32) / slot_ids.size  # [E]
+    return y.reshape(B, T, D).astype(x.dtype), expert_load
+
+
+def update_router_bias(moe: MoE, expert_load: Float[Array, "E"], rate: float) -> None:
+  """The DeepSeek-V3 auxiliary-loss-free balancing step: `bias += rate * sign(mean(load) - load)`.
+
+  Under-loaded experts get a larger selection bias and over-loaded ones a smaller one. It runs
+  outside the gradient: call it after the optimiser step with the `expert_load` the forward pass
+  returned (a non-differentiable count). The bias is a `RouterBias`, not an `nnx.Param`, so no
+  optimiser touches it, and it never enters the combine weights: it changes which experts are
+  chosen, not how their outputs are weighted. Updates the variable in place.
+
+  Args:
+    moe: the layer whose `e_score_correction_bias` is moved.
+    expert_load: f32[E], as returned by `MoE.__call__`.
+    rate: the bias update speed (DeepSeek-V3 uses 0.001).
+  """
+  load = jnp.asarray(expert_load, jnp.float32)
+  bias = moe.e_score_correction_bias
+  bias[...] = bias[...] + rate * jnp.sign(load.mean() - load)

@@ -1,0 +1,105 @@
+"""The frozen, validated model config that layers and models see (never a ConfigDict)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hyscale_jax import remat
+
+_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A GLM-5 / DeepSeek-V3.2-style MLA + DSA + MoE decoder. Field names follow HF `GlmMoeDsaConfig`."""
+
+  architecture: str = "glm_moe_dsa"
+  vocab_size: int = 154880
+  d_model: int = 6144
+  n_layers: int = 78
+  # The first layers use a dense FFN of width `dense_inter`; the rest are MoE.
+  first_k_dense: int = 3
+  dense_inter: int = 12288
+  rms_eps: float = 1e-5
+  rope_theta: float = 1e6
+  tie_embeddings: bool = False
+  # MLA.
+  n_heads: int = 64
+  q_lora_rank: int = 2048
+  kv_lora_rank: int = 512
+  qk_nope_dim: int = 192
+  qk_rope_dim: int = 64
+  v_head_dim: int = 256
+  # MoE.
+  n_routed_experts: int = 256
+  experts_per_token: int = 8
+  n_shared_experts: int = 1
+  moe_inter: int = 2048
+  routed_scaling: float = 2.5
+  scoring: str = "sigmoid"
+  norm_topk_prob: bool = True
+  n_group: int = 1
+  topk_group: int = 1
+  # DSA lightning indexer.
+  index_n_heads: int = 32
+  index_head_dim: int = 128
+  index_topk: int = 2048
+  index_rope_dim: int = 64
+  indexer_rope_interleave: bool = True
+  indexer_rope_first: bool = True
+  indexer_scoring_relu: bool = True
+  indexer_hadamard: bool = False
+  # IndexShare (GLM-5.2): layer i runs its own indexer iff max(i - offset + 1, 0) % freq == 0.
+  index_topk_freq: int = 1
+  index_topk_offset: int = 0
+  # Numerics and memory.
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  remat_policy: str = "selection_replay"
+
+  def __post_init__(self):
+    positive = ("vocab_size", "d_model", "n_layers", "n_heads", "q_lora_rank", "kv_lora_rank",
+                "qk_nope_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
+                "index_topk_freq", "dense_inter", "moe_inter", "n_routed_experts", "experts_per_token")
+    for name in positive:
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"model.{name} must be a positive int, got {name}={value!r}.")
+    if not 0 <= self.first_k_dense <= self.n_layers:
+      raise ValueError(f"model.first_k_dense={self.first_k_dense} must be in [0, n_layers={self.n_layers}].")
+    if self.qk_rope_dim % 2 or self.index_rope_dim % 2:
+      raise ValueError(f"RoPE dims must be even: {self.qk_rope_dim=}, {self.index_rope_dim=}.")
+    if self.index_rope_dim > self.index_head_dim:
+      raise ValueError(f"model.index_rope_dim={self.index_rope_dim} exceeds index_head_dim={self.index_head_dim}.")
+    if self.n_routed_experts % self.n_group:
+      raise ValueError(f"model.n_routed_experts={self.n_routed_experts} must divide into n_group={self.n_group}.")
+    if self.experts_per_token > self.n_routed_experts:
+      raise ValueError(f"model.experts_per_token={self.experts_per_token} > n_routed_experts={self.n_routed_experts}.")
+    if self.remat_policy not in remat.REMAT_POLICIES:
+      raise ValueError(f"model.remat_policy={self.remat_policy!r} is not one of {remat.REMAT_POLICIES}.")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {_DTYPES}.")
+
+  @classmethod
+  def from_config(cls, config: Any) -> "ModelConfig":
+    """From an ml_collections ConfigDict (or dict); unknown keys are an error naming them."""
+    values = dict(config.to_dict() if hasattr(config, "to_dict") else config)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ValueError(f"unknown model config keys {unknown}; known keys: {sorted(known)}.")
+    return cls(**values)
+
+  def has_indexer(self, layer: int) -> bool:
+    """Whether `layer` runs its own indexer (IndexShare 'full' layer) or reuses the previous one's."""
+    return max(layer - self.index_topk_offset + 1, 0) % self.index_topk_freq == 0 or layer == 0
+
+  def is_moe(self, layer: int) -> bool:
+    return layer >= self.first_k_dense
+
+  @property
+  def attention_scale(self) -> float:
+    """τ = (qk_nope_dim + qk_rope_dim)^{-1/2} (no YaRN mscale)."""
+    return (self.qk_nope_dim + self.qk_rope_dim) ** -0.5

@@ -1,0 +1,41 @@
+"""Models: built from `config.model` by architecture name; parameter counts computed abstractly."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from hyscale_jax.model_config import ModelConfig
+from hyscale_jax.models.glm5 import GlmMoeDsa, ModelOutput
+
+ARCHITECTURES = {"glm_moe_dsa": GlmMoeDsa}
+
+
+def build(config, *, rngs: nnx.Rngs) -> nnx.Module:
+  """The model for `config` (a `config.model` ConfigDict or a ModelConfig)."""
+  cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_config(config)
+  if cfg.architecture not in ARCHITECTURES:
+    raise ValueError(f"model.architecture={cfg.architecture!r} is not one of {sorted(ARCHITECTURES)}.")
+  return ARCHITECTURES[cfg.architecture](cfg, rngs=rngs)
+
+
+def count_params(config) -> tuple[int, int]:
+  """(total, active per token) parameter counts, computed on abstract shapes (nothing allocated).
+
+  Active counts every parameter except the routed experts a token does not use:
+  `experts_per_token / n_routed_experts` of each MoE layer's routed-expert weights.
+  """
+  cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_config(config)
+  abstract = nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))
+  total, routed = 0, 0
+  for path, leaf in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+    size = int(np.prod(leaf.shape))
+    total += size
+    if any(str(p).startswith("experts_") for p in path):
+      routed += size
+  active = total - routed + routed * cfg.experts_per_token // cfg.n_routed_experts
+  return total, active
+
+
+__all__ = ["ARCHITECTURES", "GlmMoeDsa", "ModelConfig", "ModelOutput", "build", "count_params"]

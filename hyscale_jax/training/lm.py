@@ -1,0 +1,192 @@
+"""Language-model training with DSA's two stages: a dense indexer warm-up, then sparse training.
+
+Stage 1 (`train.warmup_steps`): attention is dense, only the indexer learns, from the dense KL.
+Stage 2: selection + sparse attention; every parameter learns, the indexer only from the sparse KL
+(its inputs are detached) and the rest only from the LM loss (the teacher is detached).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from hyscale_jax import models
+from hyscale_jax.layers.moe import MoE, update_router_bias
+from hyscale_jax.model_config import ModelConfig
+from hyscale_jax.training.checkpoints import Checkpointer
+from hyscale_jax.training.metrics import MetricWriter
+from hyscale_jax.training.text_data import PackedTextDataset
+
+DENSE_STAGE, SPARSE_STAGE = 0, 1
+
+
+def check_workdir(workdir: str) -> None:
+  """Fails before any compute when `workdir` cannot be created or written."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, f".write_probe_{os.getpid()}")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise ValueError(f"workdir={workdir!r} is not writable: {e}") from e
+
+
+def is_indexer_param(path) -> bool:
+  return any("indexer" in str(p) for p in path)
+
+
+def make_optimizer(config: ml_collections.ConfigDict, params) -> optax.GradientTransformation:
+  """AdamW with its own schedule for indexer parameters; the rest is frozen during the warm-up.
+
+  The main schedule is 0 for the warm-up steps (AdamW's update, weight decay included, is scaled
+  by it), then warms up and decays over the sparse stage.
+  """
+  optim, train = config.optim, config.train
+  sparse_steps = max(train.steps - train.warmup_steps, 1)
+  lr_warmup = min(optim.lr_warmup_steps, sparse_steps)
+  main = optax.join_schedules(
+      [optax.constant_schedule(0.0),
+       optax.warmup_cosine_decay_schedule(0.0, optim.learning_rate, lr_warmup, max(sparse_steps, lr_warmup + 1))],
+      [train.warmup_steps])
+  indexer = optax.warmup_cosine_decay_schedule(
+      0.0, optim.indexer_learning_rate, min(optim.lr_warmup_steps, train.steps),
+      max(train.steps, optim.lr_warmup_steps + 1))
+  labels = nnx.map_state(lambda path, _: "indexer" if is_indexer_param(path) else "main", params)
+  return optax.chain(
+      optax.clip_by_global_norm(optim.grad_clip) if optim.grad_clip else optax.identity(),
+      optax.multi_transform(
+          {"indexer": optax.adamw(indexer, weight_decay=optim.weight_decay),
+           "main": optax.adamw(main, weight_decay=optim.weight_decay)},
+          labels),
+  ), main, indexer
+
+
+def lm_loss(logits, targets, loss_mask):
+  """Mean next-token cross-entropy over `loss_mask` (f32)."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  return jnp.sum(nll * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
+
+
+def _model_config(config) -> ModelConfig:
+  cfg = ModelConfig.from_config(config.model)
+  for name in ("steps", "warmup_steps", "log_every", "checkpoint_every"):
+    value = config.train[name]
+    if not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
+      raise ValueError(f"train.{name}={value!r} must be a {'non-negative' if name == 'warmup_steps' else 'positive'} int.")
+  return cfg
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
+  """Trains `config.model` on packed real text; resumes from `workdir` when it holds a checkpoint.
+
+  Returns:
+    The metric rows logged by this run (also appended to `<workdir>/metrics.jsonl`).
+  """
+  cfg = _model_config(config)  # every config error surfaces here, before any compute
+  check_workdir(workdir)
+  train = config.train
+  data_args = dict(source=config.data.source, vocab_size=config.data.vocab_size, seq_len=config.data.seq_len,
+                   batch_size=config.data.batch_size, seed=train.seed, cache_dir=config.data.cache_dir or None)
+  data = PackedTextDataset(**data_args)
+  validation = PackedTextDataset(**data_args, split="validation")
+  if data.vocab_size > cfg.vocab_size:
+    raise ValueError(f"the tokenizer has {data.vocab_size} tokens > model.vocab_size={cfg.vocab_size}.")
+
+  model = models.build(cfg, rngs=nnx.Rngs(train.seed))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tx, main_lr, indexer_lr = make_optimizer(config, params)
+  state = {"params": params, "rest": rest, "opt_state": tx.init(params)}
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=train.checkpoint_every)
+  restored = checkpointer.restore_latest(state)
+  start = 0
+  if restored is not None:
+    start, state, _ = restored
+    logging.info("resuming at step %d", start)
+
+  def forward(params, rest, batch, dense):
+    model = nnx.merge(graphdef, params, rest)
+    out = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                dense=dense, backends=config.ops)
+    return lm_loss(out.logits, batch["targets"], batch["loss_mask"]), out.aux
+
+  @jax.jit(static_argnames="dense", donate_argnums=0)
+  def train_step(state, batch, dense):
+    def objective(params):
+      lm, aux = forward(params, state["rest"], batch, dense)
+      # Warm-up: only the indexer trains, and only from the KL. Sparse: LM + coeff * KL, which
+      # reach disjoint parameters (detached indexer inputs and teacher).
+      total = aux["indexer_loss"] if dense else lm + config.optim.indexer_loss_coeff * aux["indexer_loss"]
+      return total, (lm, aux)
+
+    (total, (lm, aux)), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    rest = state["rest"]
+    if not dense and "expert_load" in aux:
+      model = nnx.merge(graphdef, params, rest)
+      moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+      for moe, load in zip(moes, aux["expert_load"]):
+        update_router_bias(moe, load, config.optim.router_bias_rate)
+      _, _, rest = nnx.split(model, nnx.Param, ...)
+    metrics = dict(loss=total, lm_loss=lm, indexer_loss=aux["indexer_loss"], grad_norm=optax.tree.norm(grads))
+    return {"params": params, "rest": rest, "opt_state": opt_state}, metrics
+
+  @jax.jit(static_argnames="dense")
+  def evaluate(params, rest, batch, dense):
+    return forward(params, rest, batch, dense)[0]
+
+  metrics_writer = MetricWriter(workdir)
+  tensorboard = _tensorboard(workdir)
+  tokens_per_step = config.data.batch_size * config.data.seq_len
+  logged, window_start, window_steps = [], time.perf_counter(), 0
+  bar = tqdm(range(start, train.steps), initial=start, total=train.steps, unit="step", desc=cfg.architecture,
+             disable=not (train.progress_bar and sys.stderr.isatty()))
+  for step in bar:
+    dense = step < train.warmup_steps
+    batch = {k: jnp.asarray(v) for k, v in data.batch(step).items()}
+    state, metrics = train_step(state, batch, dense)
+    window_steps += 1
+    done = step + 1
+    if done % train.log_every == 0 or done == train.steps:
+      metrics = {k: float(v) for k, v in metrics.items()}
+      elapsed = time.perf_counter() - window_start
+      val = {k: jnp.asarray(v) for k, v in validation.batch(0).items()}
+      row = metrics_writer.write(done, dict(
+          **metrics, val_lm_loss=evaluate(state["params"], state["rest"], val, dense),
+          stage=DENSE_STAGE if dense else SPARSE_STAGE, tokens_per_sec=window_steps * tokens_per_step / elapsed,
+          lr=main_lr(step), indexer_lr=indexer_lr(step)))
+      if tensorboard is not None:
+        for key, value in row.items():
+          if key != "step":
+            tensorboard.add_scalar(key, value, done)
+        tensorboard.flush()
+      logged.append(row)
+      bar.set_postfix(loss=f"{row['loss']:.4f}")
+      window_start, window_steps = time.perf_counter(), 0
+    checkpointer.maybe_save(done, state, {"step": done, "stage": int(not dense)}, force=done == train.steps)
+  checkpointer.close()
+  if tensorboard is not None:
+    tensorboard.close()
+  return logged
+
+
+def _tensorboard(workdir: str):
+  """A tensorboardX writer under `<workdir>/tensorboard`, or None when tensorboardX is missing."""
+  try:
+    from tensorboardX import SummaryWriter  # noqa: PLC0415
+  except ImportError:
+    logging.warning("tensorboardX is not installed: metrics go to metrics.jsonl only.")
+    return None
+  return SummaryWriter(os.path.join(workdir, "tensorboard"))
