@@ -47,6 +47,17 @@ def test_two_stages_metrics_checkpoints_and_resume(tmp_path):
   assert [r["step"] for r in _rows(workdir)] == [2, 4, 6, 8]
 
 
+def test_a_save_killed_midway_is_ignored_on_resume(tmp_path):
+  workdir = tmp_path / "run"
+  lm.train_and_evaluate(_config(tmp_path, 3), str(workdir))
+  # What a SIGKILL during orbax's save of step 6 leaves: a temporary folder, never renamed.
+  partial = workdir / "checkpoints" / "6.orbax-checkpoint-tmp-1234567"
+  (partial / "state").mkdir(parents=True)
+  (partial / "state" / "garbage").write_bytes(b"\x00" * 64)
+  lm.train_and_evaluate(_config(tmp_path, 4), str(workdir))
+  assert [r["step"] for r in _rows(workdir)] == [2, 3, 4]  # resumed from the complete step 3
+
+
 def test_unwritable_workdir_fails_before_compute(tmp_path):
   blocker = tmp_path / "file"
   blocker.write_text("not a directory")
