@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from hyscale_jax.training.text_data import pydoc_documents
+
 BYTE_VOCAB = 256
 
 
 def bundled_text() -> bytes:
   """About 0.5 MB of English technical prose shipped with CPython (`pydoc_data.topics`)."""
-  from pydoc_data import topics  # noqa: PLC0415
-
-  return "\n\n".join(topics.topics[k] for k in sorted(topics.topics)).encode("utf-8")
+  return "\n\n".join(pydoc_documents()).encode("utf-8")
 
 
 class ByteWindows:

@@ -46,11 +46,14 @@ def is_indexer_param(path) -> bool:
   return any("indexer" in str(p) for p in path)
 
 
-def make_optimizer(config: ml_collections.ConfigDict, params) -> optax.GradientTransformation:
+def make_optimizer(config: ml_collections.ConfigDict, params):
   """AdamW with its own schedule for indexer parameters; the rest is frozen during the warm-up.
 
   The main schedule is 0 for the warm-up steps (AdamW's update, weight decay included, is scaled
   by it), then warms up and decays over the sparse stage.
+
+  Returns:
+    (the optax transformation, the main schedule, the indexer schedule).
   """
   optim, train = config.optim, config.train
   sparse_steps = max(train.steps - train.warmup_steps, 1)
@@ -83,8 +86,9 @@ def _model_config(config) -> ModelConfig:
   cfg = ModelConfig.from_config(config.model)
   for name in ("steps", "warmup_steps", "log_every", "checkpoint_every"):
     value = config.train[name]
-    if not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
-      raise ValueError(f"train.{name}={value!r} must be a {'non-negative' if name == 'warmup_steps' else 'positive'} int.")
+    least = 0 if name == "warmup_steps" else 1
+    if not isinstance(value, int) or value < least:
+      raise ValueError(f"train.{name}={value!r} must be an int >= {least}.")
   return cfg
 
 
