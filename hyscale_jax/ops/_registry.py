@@ -34,12 +34,13 @@ class BackendRegistry:
     self.implementations: dict[str, Callable[..., Any]] = dict(implementations)
     self._auto_order = {k: tuple(v) for k, v in auto_order.items()}
 
-  def register_optional(self, name: str, module: str, attribute: str) -> None:
-    """Registers `module.attribute` as backend `name` if it imports (e.g. GPU-only kernels)."""
+  def register_optional(self, name: str, module: str, attribute: str, wrap=None) -> None:
+    """Registers `module.attribute` (or `wrap` of it) as backend `name` if the module imports."""
     try:
-      self.implementations[name] = getattr(importlib.import_module(module), attribute)
+      implementation = getattr(importlib.import_module(module), attribute)
     except ImportError:
-      pass
+      return
+    self.implementations[name] = implementation if wrap is None else wrap(implementation)
 
   def candidates(self, backend: str) -> tuple[str, ...]:
     """The implementation names to try, in order, for `backend`.

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from hyscale_jax.ops import _checks
 from hyscale_jax.ops._registry import Backend, BackendRegistry
-from hyscale_jax.ops.sparse_attention.reference import sparse_attention_reference
+from hyscale_jax.ops.sparse_attention.reference import (
+    sparse_attention_backward_reference,
+    sparse_attention_reference,
+)
+from hyscale_jax.ops.sparse_attention.vjp import attention_with_saved_residuals
 
 REGISTRY = BackendRegistry(
     "sparse_attention",
     {"reference": sparse_attention_reference},
     auto_order={"gpu": ("pallas", "reference"), "default": ("reference",)},
 )
-# The Pallas kernel lands with its own issue; until then "auto" uses the reference everywhere.
-REGISTRY.register_optional("pallas", "pallas_kernels.sparse_attention", "sparse_attention_pallas")
+# The Pallas forward kernel, paired with the reference backward (which reads the saved out/lse)
+# until the backward kernel lands.
+REGISTRY.register_optional(
+    "pallas", "pallas_kernels.sparse_attention", "sparse_attention_forward_pallas",
+    wrap=lambda forward: functools.partial(
+        attention_with_saved_residuals, forward, sparse_attention_backward_reference))
 
 
 def sparse_attention(
