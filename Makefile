@@ -12,6 +12,9 @@ WORKDIR ?= runs/glm5_1_tiny
 TRAIN_ARGS ?=
 PYTEST_ARGS ?=
 MARKERS := $(if $(filter 1 true,$(SLOW)),,-m "not slow")
+# With an NVIDIA GPU present, install the CUDA jaxlib plugin too, so `make train` uses the GPU.
+EXTRAS ?= $(if $(shell nvidia-smi -L 2>/dev/null),test$(comma)gpu,test)
+comma := ,
 
 .PHONY: setup train test clean
 setup: $(VENV)/.installed
@@ -20,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it or set PYTHON312=/path/to/python3.12" >&2; exit 1; }
 	$(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $@
 
 train: setup
