@@ -43,6 +43,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.log_every = 10
   # Save a checkpoint every this many steps (and at the end).
   config.train.checkpoint_every = 50
-  # Show a progress bar on stderr.
+  # Show a progress bar on stderr (on an interactive terminal; plain log lines otherwise).
   config.train.progress_bar = True
+  # Exit cleanly once this step is reached (0: run to train.steps); the same config resumes later.
+  config.train.stop_at_step = 0
+  # On a non-finite loss or gradient: "skip" the step (state unchanged, counted) or "stop" with the
+  # first non-finite tensor named.
+  config.train.nonfinite = "stop"
   return config

@@ -1,43 +1,61 @@
-"""Atomic, resumable checkpoints with orbax: a step is visible only once it is completely written."""
+"""Atomic, resumable checkpoints with orbax: a step is visible only once it is completely written.
+
+A run killed mid-save leaves only orbax's temporary folder, which is never taken for a checkpoint.
+A complete-looking checkpoint that cannot be read (truncated or corrupted files) is moved aside,
+never deleted, and the run resumes from the newest one that reads.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
 
-class Checkpointer:
-  """Saves (state, metadata) every `every_steps` under `directory` and restores the latest one.
+class CheckpointError(RuntimeError):
+  """A checkpoint could not be written, or no checkpoint could be read."""
 
-  orbax writes each step into a temporary folder and renames it when complete, so a run killed
-  mid-save leaves the previous checkpoint as the latest; `restore_latest` resumes from it.
-  """
+
+class Checkpointer:
+  """Saves (state, metadata) every `every_steps` under `directory` and restores the newest readable one."""
 
   def __init__(self, directory: str, *, every_steps: int, max_to_keep: int = 3):
     self.directory = os.path.abspath(directory)
     self.every_steps = every_steps
-    self._manager = ocp.CheckpointManager(
+    self._max_to_keep = max_to_keep
+    self._manager = self._open()
+
+  def _open(self) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=True,
-            enable_async_checkpointing=False,
-        ),
-    )
+        options=ocp.CheckpointManagerOptions(max_to_keep=self._max_to_keep, create=True,
+                                             enable_async_checkpointing=False))
 
   def maybe_save(self, step: int, state: Any, metadata: dict, *, force: bool = False) -> bool:
-    """Saves when `step` is on the interval (or `force`); returns whether it saved."""
+    """Saves when `step` is on the interval (or `force`); returns whether it saved.
+
+    Raises:
+      CheckpointError: the save failed (disk full, unwritable directory, ...); the previous
+        checkpoint is untouched.
+    """
     if not (force or step % self.every_steps == 0) or step == self._manager.latest_step():
       return False
-    self._manager.save(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(metadata)),
-        force=True,
-    )
-    self._manager.wait_until_finished()
+    try:
+      self._manager.save(
+          step,
+          args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(metadata)),
+          force=True,
+      )
+      self._manager.wait_until_finished()
+    except Exception as e:  # orbax and tensorstore raise many types for I/O failures
+      raise CheckpointError(
+          f"saving the checkpoint of step {step} under {self.directory} failed: {e!r}. The previous "
+          f"checkpoint (step {self._manager.latest_step()}) is intact; rerun to resume from it.") from e
     logging.info("saved checkpoint at step %d in %s", step, self.directory)
     return True
 
@@ -45,17 +63,45 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
-    """(step, state, metadata) of the latest complete checkpoint, or None when there is none."""
-    step = self._manager.latest_step()
-    if step is None:
-      return None
+    """(step, state, metadata) of the newest checkpoint that reads, or None when there is none.
+
+    Newer checkpoints that fail to read are moved aside to `<step>.unreadable-<time>` (nothing is
+    deleted) once an older one has read, with a message naming them.
+
+    Raises:
+      CheckpointError: checkpoints exist but none reads (for example after a model change).
+    """
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
-    restored = self._manager.restore(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
-    )
-    logging.info("restored checkpoint at step %d from %s", step, self.directory)
-    return step, restored["state"], dict(restored["meta"])
+    failures = []
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+      except Exception as e:  # a truncated or corrupted file surfaces as many exception types
+        failures.append((step, e))
+        continue
+      for bad_step, error in failures:
+        self._move_aside(bad_step, error, fallback=step)
+      if failures:
+        self._manager = self._open()
+      logging.info("restored checkpoint at step %d from %s", step, self.directory)
+      return step, restored["state"], dict(restored["meta"])
+    if failures:
+      step, error = failures[0]
+      raise CheckpointError(
+          f"no checkpoint under {self.directory} could be read; the newest (step {step}) failed with "
+          f"{error!r}. If the model or optimizer config changed, use a new workdir.") from error
+    return None
+
+  def _move_aside(self, step: int, error: Exception, *, fallback: int) -> None:
+    source = os.path.join(self.directory, str(step))
+    target = f"{source}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.rename(source, target)
+    message = (f"checkpoint step {step} is unreadable ({type(error).__name__}: {str(error)[:200]}); "
+               f"moved it to {target} and resuming from step {fallback}.")
+    logging.warning(message)
+    print(f"WARNING: {message}", file=sys.stderr)
 
   def close(self):
     self._manager.close()

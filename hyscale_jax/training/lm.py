@@ -84,6 +84,8 @@ def lm_loss(logits, targets, loss_mask):
 
 def _model_config(config) -> ModelConfig:
   cfg = ModelConfig.from_config(config.model)
+  if config.train.nonfinite not in ("skip", "stop"):
+    raise ValueError(f"train.nonfinite={config.train.nonfinite!r} must be 'skip' or 'stop'.")
   for name in ("steps", "warmup_steps", "log_every", "checkpoint_every"):
     value = config.train[name]
     least = 0 if name == "warmup_steps" else 1
@@ -111,7 +113,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[
   model = models.build(cfg, rngs=nnx.Rngs(train.seed))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tx, main_lr, indexer_lr = make_optimizer(config, params)
-  state = {"params": params, "rest": rest, "opt_state": tx.init(params)}
+  state = {"params": params, "rest": rest, "opt_state": tx.init(params), "skipped_steps": jnp.int32(0)}
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=train.checkpoint_every)
   restored = checkpointer.restore_latest(state)
   start = 0
@@ -125,16 +127,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[
                 dense=dense, backends=config.ops)
     return lm_loss(out.logits, batch["targets"], batch["loss_mask"]), out.aux
 
+  def objective(params, rest, batch, dense):
+    lm, aux = forward(params, rest, batch, dense)
+    # Warm-up: only the indexer trains, and only from the KL. Sparse: LM + coeff * KL, which reach
+    # disjoint parameters (detached indexer inputs and teacher).
+    total = aux["indexer_loss"] if dense else lm + config.optim.indexer_loss_coeff * aux["indexer_loss"]
+    return total, (lm, aux)
+
   @jax.jit(static_argnames="dense", donate_argnums=0)
   def train_step(state, batch, dense):
-    def objective(params):
-      lm, aux = forward(params, state["rest"], batch, dense)
-      # Warm-up: only the indexer trains, and only from the KL. Sparse: LM + coeff * KL, which
-      # reach disjoint parameters (detached indexer inputs and teacher).
-      total = aux["indexer_loss"] if dense else lm + config.optim.indexer_loss_coeff * aux["indexer_loss"]
-      return total, (lm, aux)
-
-    (total, (lm, aux)), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
+    (total, (lm, aux)), grads = jax.value_and_grad(objective, has_aux=True)(
+        state["params"], state["rest"], batch, dense)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     rest = state["rest"]
@@ -144,8 +147,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[
       for moe, load in zip(moes, aux["expert_load"]):
         update_router_bias(moe, load, config.optim.router_bias_rate)
       _, _, rest = nnx.split(model, nnx.Param, ...)
-    metrics = dict(loss=total, lm_loss=lm, indexer_loss=aux["indexer_loss"], grad_norm=optax.tree.norm(grads))
-    return {"params": params, "rest": rest, "opt_state": opt_state}, metrics
+    finite = jnp.isfinite(total) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    new = {"params": params, "rest": rest, "opt_state": opt_state}
+    # A non-finite step changes nothing: params, optimizer moments and router biases stay as they were.
+    new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, {k: state[k] for k in new})
+    new["skipped_steps"] = state["skipped_steps"] + (~finite).astype(jnp.int32)
+    metrics = dict(loss=total, lm_loss=lm, indexer_loss=aux["indexer_loss"], grad_norm=optax.tree.norm(grads),
+                   finite=finite)
+    return new, metrics
 
   @jax.jit(static_argnames="dense")
   def evaluate(params, rest, batch, dense):
@@ -158,13 +167,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[
   bar = tqdm(range(start, train.steps), initial=start, total=train.steps, unit="step", desc=cfg.architecture,
              disable=not (train.progress_bar and sys.stderr.isatty()))
   for step in bar:
+    if train.stop_at_step and step >= train.stop_at_step:
+      logging.info("stopping at step %d (train.stop_at_step); rerun to continue", step)
+      break
     dense = step < train.warmup_steps
     batch = {k: jnp.asarray(v) for k, v in data.batch(step).items()}
     state, metrics = train_step(state, batch, dense)
+    if not bool(metrics["finite"]):
+      # The state is the pre-step state, so the gradients can be recomputed to name the culprit.
+      grads = lambda: jax.jit(jax.grad(lambda p: objective(p, state["rest"], batch, dense)[0]))(state["params"])
+      _handle_nonfinite(train.nonfinite, step, metrics, grads, int(state["skipped_steps"]), checkpointer)
     window_steps += 1
     done = step + 1
     if done % train.log_every == 0 or done == train.steps:
-      metrics = {k: float(v) for k, v in metrics.items()}
+      metrics = {k: float(v) for k, v in metrics.items() if k != "finite"}
+      metrics["skipped_steps"] = int(state["skipped_steps"])
       elapsed = time.perf_counter() - window_start
       val = {k: jnp.asarray(v) for k, v in validation.batch(0).items()}
       row = metrics_writer.write(done, dict(
@@ -179,11 +196,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[
       logged.append(row)
       bar.set_postfix(loss=f"{row['loss']:.4f}")
       window_start, window_steps = time.perf_counter(), 0
-    checkpointer.maybe_save(done, state, {"step": done, "stage": int(not dense)}, force=done == train.steps)
+    last = done == train.steps or done == train.stop_at_step
+    checkpointer.maybe_save(done, state, {"step": done, "stage": int(not dense)}, force=last)
   checkpointer.close()
   if tensorboard is not None:
     tensorboard.close()
   return logged
+
+
+def _handle_nonfinite(policy, step, metrics, grads, skipped, checkpointer):
+  """Counts a skipped step, or stops with the first non-finite tensor named (the state is unchanged).
+
+  `grads` is a thunk: the gradients are recomputed only to name the culprit.
+  """
+  if policy == "skip":
+    logging.warning("step %d: non-finite loss or gradients; skipped (%d skipped so far)", step, skipped)
+    return
+  named = [(name, metrics[name]) for name in ("lm_loss", "indexer_loss", "loss")]
+  named += [("grad " + "/".join(map(str, path)), g) for path, g in nnx.to_flat_state(grads())]
+  first = next(name for name, value in named if not bool(jnp.all(jnp.isfinite(jnp.asarray(value[...])))))
+  raise FloatingPointError(
+      f"step {step}: {first} is not finite (train.nonfinite='stop'). Parameters and optimizer state were "
+      f"not updated; the last checkpoint is step {checkpointer.latest_step()}. Set "
+      f"--config.train.nonfinite=skip to skip such steps instead.")
 
 
 def _tensorboard(workdir: str):
