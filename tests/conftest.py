@@ -10,3 +10,9 @@ import jax  # noqa: E402
 jax.config.update("jax_enable_x64", False)
 # On GPU, f32 matmuls default to TF32; the oracle comparisons need full f32 (a no-op on CPU).
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Many tests compile the same train step (in-process and in train.py subprocesses): share compiled
+# executables through JAX's persistent cache, keyed by the program, so each compiles once per run.
+_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

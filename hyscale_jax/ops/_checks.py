@@ -7,11 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 
 
+_INT32 = np.iinfo(np.int32)
+
+
 def check_rank(name: str, x, rank: int, letters: str) -> None:
+  """An array of rank `rank` with no zero-length axis."""
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise ValueError(f"{name} must be an array of shape [{letters}], got {type(x).__name__}.")
   if x.ndim != rank:
     raise ValueError(f"{name} must have rank {rank} [{letters}], got {name}.shape={tuple(x.shape)}.")
+  if 0 in x.shape:
+    raise ValueError(f"{name}.shape={tuple(x.shape)} [{letters}] has an empty axis; every axis needs >= 1.")
 
 
 def check_dim(name: str, x, axis: int, expected: int, what: str) -> None:
@@ -27,8 +33,14 @@ def check_float(name: str, x) -> None:
 
 
 def check_int(name: str, x) -> None:
+  """An integer array; concrete 64-bit values must fit in int32 (JAX computes in int32 and would wrap)."""
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise ValueError(f"{name} must be an integer dtype, got {name}.dtype={x.dtype}.")
+  if np.dtype(x.dtype).itemsize > 4 and not isinstance(x, jax.core.Tracer):
+    values = np.asarray(x)
+    if values.size and (values.min() < _INT32.min or values.max() > _INT32.max):
+      raise ValueError(f"{name} ({name}.dtype={x.dtype}) holds values outside int32: "
+                       f"[{values.min()}, {values.max()}].")
 
 
 def check_positive_int(name: str, value) -> None:
@@ -41,6 +53,8 @@ def check_scalar_int(name: str, value) -> None:
   if isinstance(value, bool):
     raise ValueError(f"{name} must be an int, got {name}={value!r}.")
   if isinstance(value, (int, np.integer)):
+    if not _INT32.min <= value <= _INT32.max:
+      raise ValueError(f"{name}={value} does not fit in int32.")
     return
   if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0 and jnp.issubdtype(
       value.dtype, jnp.integer
@@ -51,8 +65,11 @@ def check_scalar_int(name: str, value) -> None:
 
 
 def check_static_float(name: str, value) -> None:
+  """A finite Python (or NumPy scalar) number; arrays, bools, strings, NaN and inf are rejected."""
   if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
     raise ValueError(f"{name} must be a Python float, got {name}={value!r}.")
+  if not np.isfinite(value):
+    raise ValueError(f"{name} must be finite, got {name}={value!r}.")
 
 
 def check_segment_ids(segment_ids, B: int, Tq: int, Tk: int) -> None:

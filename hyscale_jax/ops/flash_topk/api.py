@@ -96,8 +96,6 @@ def _check_args(q, k, weights, topk, compress_ratio, q_offset, segment_ids, scal
   B, Tq, H, D = q.shape
   _checks.check_dim("k", k, 0, B, f"batch, from q.shape={tuple(q.shape)}")
   _checks.check_dim("k", k, 2, D, f"head dim, from q.shape={tuple(q.shape)}")
-  if Tq == 0 or k.shape[1] == 0:
-    raise ValueError(f"q.shape={tuple(q.shape)} and k.shape={tuple(k.shape)} need Tq >= 1 and Tk >= 1.")
   if weights is not None:
     _checks.check_rank("weights", weights, 3, "B, Tq, H")
     _checks.check_float("weights", weights)

@@ -52,17 +52,26 @@ def _weighted_relu_head_sum(dots, weights, scale):
   return relu.sum(axis=2) * jnp.float32(scale)
 
 
+def _rank_score(score):
+  """NaN (f32 overflow: inf - inf, 0 * inf) ranks as -inf, the lowest visible score."""
+  return jnp.where(jnp.isnan(score), -jnp.inf, score)
+
+
 def _merge_topk(best, cand, topk: int):
-  """Exact top-k of the union of two (score, index) sets under (score desc, index asc)."""
-  scores = jnp.concatenate([best[0], cand[0]], axis=-1)
-  idx = jnp.concatenate([best[1], cand[1]], axis=-1)
-  neg, idx = jax.lax.sort((-scores, idx), dimension=-1, num_keys=2)
-  return -neg[..., :topk], idx[..., :topk]
+  """Exact top-k of the union of two (hidden, score, index) sets.
+
+  Order: visible keys first (hidden = 0), then score descending, then index ascending, so a visible
+  key whose f32 score is -inf still outranks every invisible one.
+  """
+  hidden, scores, idx = (jnp.concatenate([b, c], axis=-1) for b, c in zip(best, cand))
+  hidden, neg, idx = jax.lax.sort((hidden, -scores, idx), dimension=-1, num_keys=3)
+  return hidden[..., :topk], -neg[..., :topk], idx[..., :topk]
 
 
-def _finish(scores, idx):
-  """Slots holding no visible key get index -1 (their score is already -inf)."""
-  return jnp.where(scores == -jnp.inf, -1, idx).astype(jnp.int32), scores
+def _finish(hidden, scores, idx):
+  """Slots holding no visible key get index -1 and score -inf."""
+  hidden = hidden.astype(bool)
+  return jnp.where(hidden, -1, idx).astype(jnp.int32), jnp.where(hidden, -jnp.inf, scores)
 
 
 def flash_topk_reference(
@@ -109,10 +118,12 @@ def flash_topk_reference(
       k_blk = jax.lax.dynamic_slice_in_dim(k, start, ck, axis=1)
       seg = None if kv_seg is None else jax.lax.dynamic_slice_in_dim(kv_seg, start, ck, axis=1)
       vis = st.key_visible(q_pos, k_pos, compress_ratio, seg_blk, seg) & (k_pos < Tk)
-      score = jnp.where(vis, index_scores(q_blk, k_blk, w_blk, scale), -jnp.inf)
-      return _merge_topk(best, (score, jnp.broadcast_to(k_pos, score.shape)), topk)
+      score = _rank_score(index_scores(q_blk, k_blk, w_blk, scale))
+      hidden = jnp.broadcast_to(~vis, score.shape).astype(jnp.int32)
+      return _merge_topk(best, (hidden, score, jnp.broadcast_to(k_pos, score.shape)), topk)
 
-    best = (jnp.full((B, bq, topk), -jnp.inf), jnp.full((B, bq, topk), _NO_INDEX, jnp.int32))
+    best = (jnp.ones((B, bq, topk), jnp.int32), jnp.full((B, bq, topk), -jnp.inf),
+            jnp.full((B, bq, topk), _NO_INDEX, jnp.int32))
     n_visible = st.visible_key_chunks(q_pos[-1], compress_ratio, ck, n_chunks)
     return _finish(*jax.lax.fori_loop(0, n_visible, key_chunk_step, best))
 
@@ -158,12 +169,17 @@ def flash_topk_xla_baseline(
     i, q_blk, w_blk, seg_blk = xs
     q_pos = q_offset + i * query_rows + jnp.arange(query_rows, dtype=jnp.int32)
     vis = st.key_visible(q_pos, jnp.arange(Tk, dtype=jnp.int32), compress_ratio, seg_blk, kv_seg)
-    score = jnp.where(vis, index_scores(q_blk, k, w_blk, scale), -jnp.inf)
-    vals, idx = jax.lax.top_k(score, kk)
+    score = _rank_score(index_scores(q_blk, k, w_blk, scale))
+    # top_k sees -inf only for invisible keys: a visible -inf score competes as the lowest finite value.
+    order = jnp.where(vis, jnp.where(score == -jnp.inf, jnp.finfo(jnp.float32).min, score), -jnp.inf)
+    vals, idx = jax.lax.top_k(order, kk)
+    scores = jnp.take_along_axis(score, idx, axis=-1)
+    hidden = (vals == -jnp.inf).astype(jnp.int32)
     if kk < topk:
-      vals = st.pad_axis(vals, 2, topk, -jnp.inf)
+      hidden = st.pad_axis(hidden, 2, topk, 1)
+      scores = st.pad_axis(scores, 2, topk, -jnp.inf)
       idx = st.pad_axis(idx, 2, topk, -1)
-    return _finish(vals, idx)
+    return _finish(hidden, scores, idx)
 
   xs = (
       jnp.arange(st.cdiv(Tq, query_rows), dtype=jnp.int32),

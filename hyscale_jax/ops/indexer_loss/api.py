@@ -70,6 +70,8 @@ def indexer_loss(
   """
   _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, compress_ratio, q_offset,
               segment_ids)
+  _checks.check_static_float("attn_scale", attn_scale)
+  _checks.check_static_float("index_scale", index_scale)
   attn_q, attn_k, attn_lse = jax.lax.stop_gradient((attn_q, attn_k, attn_lse))
   names = REGISTRY.candidates(backend)
   return REGISTRY.run(
@@ -108,6 +110,7 @@ def _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indic
   if H % attn_k.shape[2]:
     raise ValueError(f"attn_q heads H={H} must be divisible by attn_k groups G={attn_k.shape[2]}.")
   if attn_lse is not None:
+    _checks.check_rank("attn_lse", attn_lse, 3, "B, T, H")
     _checks.check_float("attn_lse", attn_lse)
     if attn_lse.shape != (B, T, H):
       raise ValueError(f"attn_lse.shape={tuple(attn_lse.shape)} must be [B, T, H]={(B, T, H)}.")

@@ -91,6 +91,7 @@ def _check_args(q, k, v, indices, scale, sinks):
     raise ValueError(f"indices.shape={tuple(indices.shape)} must start with [B, T]={(B, T)} {where}.")
   _checks.check_static_float("scale", scale)
   if sinks is not None:
+    _checks.check_rank("sinks", sinks, 1, "H")
     _checks.check_float("sinks", sinks)
     if sinks.shape != (H,):
       raise ValueError(f"sinks.shape={tuple(sinks.shape)} must be [H]=({H},) {where}.")

@@ -43,14 +43,6 @@ def attention_logits_at(
   return jnp.where(valid_indices(indices, k.shape[1])[:, :, None, :], logits, -jnp.inf)
 
 
-def _lse(logits: Float[Array, "B T H K"], sinks: Float[Array, "H"] | None) -> Float[Array, "B T H"]:
-  """log(sum_j exp(logits) [+ exp(sinks[h])]); -inf for an empty row without sinks."""
-  if sinks is not None:
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], logits.shape[:-1] + (1,))
-    logits = jnp.concatenate([logits, sink], axis=-1)
-  return jax.nn.logsumexp(logits, axis=-1)
-
-
 def probs_from_lse(logits, lse):
   """exp(logits - lse), 0 where the row is empty (lse = -inf) rather than NaN."""
   return jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
@@ -60,8 +52,18 @@ def _chunk_forward(q, k, v, indices, sinks, scale):
   B, T, H, _ = q.shape
   G, Dv = v.shape[2], v.shape[3]
   logits = attention_logits_at(q, k, indices, scale)
-  lse = _lse(logits, sinks)
-  p = probs_from_lse(logits, lse).reshape(B, T, G, H // G, -1)
+  # Normalise by the max-shifted row sum rather than exp(logit - lse): exact to f32 rounding even
+  # when |lse| is large (exp(logit - lse) loses |lse| * 2^-24 of relative mass).
+  top = jnp.max(logits, axis=-1)
+  if sinks is not None:
+    top = jnp.maximum(top, sinks.astype(jnp.float32))
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  weights = jnp.exp(logits - top[..., None])
+  total = weights.sum(axis=-1)
+  if sinks is not None:
+    total = total + jnp.exp(sinks.astype(jnp.float32) - top)
+  p = (weights / jnp.where(total > 0, total, 1.0)[..., None]).reshape(B, T, G, H // G, -1)
+  lse = jnp.where(total > 0, top + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
   out = jnp.einsum(
       "btgnj,btjgd->btgnd", p, gather_rows(v, indices).astype(jnp.float32), precision=_HIGHEST
   )
