@@ -8,25 +8,15 @@ counts 2·H·K·(Dk + Dv) forward and 2.5x that for forward + backward.
 import argparse
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, ".")
+sys.path.insert(0, "bench")
 from hyscale_jax import ops  # noqa: E402
-
-
-def timed(fn, *args, reps=5):
-  """Median wall time of `fn(*args)` after a warm-up, with device sync (block_until_ready)."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+from timing import timed  # noqa: E402
 
 
 def bench_flash_topk(T, H=64, D=128, topk=2048, dtype=jnp.bfloat16):

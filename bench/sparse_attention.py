@@ -8,25 +8,15 @@ bf16, the selection is random and causal; every timed variant is first checked a
 import argparse
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, ".")
+sys.path.insert(0, "bench")
 from hyscale_jax import ops  # noqa: E402
-
-
-def timed(fn, *args, reps=5):
-  """Median seconds of `fn(*args)` after a warm-up call, synchronised with block_until_ready."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+from timing import timed  # noqa: E402
 
 
 def xla_gather_forward(q, k, v, idx, scale):
