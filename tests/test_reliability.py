@@ -42,10 +42,11 @@ def _losses(workdir):
 
 
 def test_stop_and_resume_is_bit_identical_to_a_straight_run(tmp_path):
-  lm.train_and_evaluate(_config(tmp_path, 8), str(tmp_path / "straight"))
-  lm.train_and_evaluate(_config(tmp_path, 8, stop_at_step=4), str(tmp_path / "split"))
-  assert sorted(_losses(tmp_path / "split")) == [2, 4]
-  lm.train_and_evaluate(_config(tmp_path, 8), str(tmp_path / "split"))
+  # The recipe: 20 steps straight against 10 steps, a resume, and 10 more (same seed and data).
+  lm.train_and_evaluate(_config(tmp_path, 20, checkpoint_every=5), str(tmp_path / "straight"))
+  lm.train_and_evaluate(_config(tmp_path, 20, checkpoint_every=5, stop_at_step=10), str(tmp_path / "split"))
+  assert sorted(_losses(tmp_path / "split")) == [2, 4, 6, 8, 10]
+  lm.train_and_evaluate(_config(tmp_path, 20, checkpoint_every=5), str(tmp_path / "split"))
   assert _losses(tmp_path / "split") == _losses(tmp_path / "straight")  # exact float equality
 
 
