@@ -62,3 +62,10 @@ def visible_key_chunks(last_q_pos, compress_ratio: int, chunk: int, n_chunks: in
   keys = (last_q_pos + 1) // compress_ratio  # keys 0 .. keys-1 are visible to the last query
   return jnp.clip((keys + chunk - 1) // chunk, 0, n_chunks)
 
+
+def row_chunks(chunk: int, length: int):
+  """(split, join) for the query axis 1: [B, T, ...] <-> [n, B, chunk, ...]; None passes through."""
+  chunk = min(chunk, length)
+  split = lambda x, fill=0: None if x is None else to_blocks(x, 1, chunk, fill)
+  join = lambda x: None if x is None else from_blocks(x, 1, length)
+  return split, join

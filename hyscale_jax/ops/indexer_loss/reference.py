@@ -58,16 +58,20 @@ def _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indi
   return _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk)[0]
 
 
+def _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, chunk):
+  """The per-row inputs split into [n, B, chunk, ...] blocks (padded rows select nothing), and join."""
+  split, join = st.row_chunks(chunk, index_q.shape[1])
+  return (split(index_q), split(index_weights), split(attn_q), split(attn_lse), split(indices, -1)), join
+
+
 def _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk):
-  T = index_q.shape[1]
-  split = lambda x, fill=0: None if x is None else st.to_blocks(x, 1, min(chunk, T), fill)
 
   def chunk_rows(xs):
     iq, iw, aq, alse, idx = xs
     log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, scales)
     return _kl_rows(log_student, target), row_valid
 
-  xs = (split(index_q), split(index_weights), split(attn_q), split(attn_lse), split(indices, -1))
+  xs, _ = _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, chunk)
   row_kl, row_valid = jax.lax.map(chunk_rows, xs)
   loss, n_valid = _row_mean(row_kl, row_valid)
   return loss, (index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, n_valid)
@@ -75,8 +79,6 @@ def _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, 
 
 def _sparse_loss_bwd(scales, chunk, residuals, ct):
   index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, n_valid = residuals
-  T = index_q.shape[1]
-  split = lambda x, fill=0: None if x is None else st.to_blocks(x, 1, min(chunk, T), fill)
   coef = ct / jnp.maximum(n_valid, 1).astype(jnp.float32)
 
   def chunk_grads(dk, xs):
@@ -88,10 +90,10 @@ def _sparse_loss_bwd(scales, chunk, residuals, ct):
     dq, dk_chunk, dw = pullback(jnp.where(valid_indices(idx, index_k.shape[1]), g, 0.0))
     return dk + dk_chunk.astype(jnp.float32), (dq, dw)
 
-  xs = (split(index_q), split(index_weights), split(attn_q), split(attn_lse), split(indices, -1))
+  xs, join = _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, chunk)
   dk, (dq, dw) = jax.lax.scan(chunk_grads, jnp.zeros(index_k.shape, jnp.float32), xs)
-  dq = st.from_blocks(dq, 1, T).astype(index_q.dtype)
-  dw = None if index_weights is None else st.from_blocks(dw, 1, T).astype(index_weights.dtype)
+  dq = join(dq).astype(index_q.dtype)
+  dw = None if index_weights is None else join(dw).astype(index_weights.dtype)
   return dq, dk.astype(index_k.dtype), dw, None, None, None, None
 
 

@@ -70,18 +70,10 @@ def _chunk_forward(q, k, v, indices, sinks, scale):
   return out.reshape(B, T, H, Dv), lse
 
 
-def _chunked(query_chunk: int, T: int):
-  """Splits [B, T, ...] arrays into [n, B, chunk, ...] blocks and joins them back."""
-  chunk = min(query_chunk, T)
-  split = lambda x, fill=0: st.to_blocks(x, 1, chunk, fill)
-  join = lambda x: st.from_blocks(x, 1, T)
-  return split, join
-
-
 def sparse_attention_forward_reference(q, k, v, indices, *, scale, sinks=None, query_chunk=None):
   """The forward pass alone: (out in q.dtype [B, T, H, Dv], lse f32[B, T, H]), chunked over T."""
   query_chunk = query_chunk or default_query_chunk(q, k, v, indices)
-  split, join = _chunked(query_chunk, q.shape[1])
+  split, join = st.row_chunks(query_chunk, q.shape[1])
   out, lse = jax.lax.map(
       lambda xs: _chunk_forward(xs[0], k, v, xs[1], sinks, scale), (split(q), split(indices, -1))
   )
@@ -99,7 +91,7 @@ def sparse_attention_backward_reference(residuals, cotangents, *, scale, query_c
   B, T, H, Dk = q.shape
   S, G, Dv = k.shape[1], k.shape[2], v.shape[3]
   query_chunk = query_chunk or default_query_chunk(q, k, v, indices)
-  split, join = _chunked(query_chunk, T)
+  split, join = st.row_chunks(query_chunk, T)
 
   def chunk_grads(acc, xs):
     dk_acc, dv_acc, dsink_acc = acc
