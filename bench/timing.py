@@ -6,9 +6,10 @@ import jax
 import numpy as np
 
 
-def timed(fn, *args, reps=5):
+def timed(fn, *args, reps=5, warmup=True):
   """Median seconds of `fn(*args)` after a warm-up call, synchronised with block_until_ready."""
-  jax.block_until_ready(fn(*args))
+  if warmup:
+    jax.block_until_ready(fn(*args))
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()

@@ -14,12 +14,17 @@ import numpy as np
 import pytest
 
 from hyscale_jax.ops import flash_topk
+from hyscale_jax.ops.flash_topk import api as flash_topk_api
 from hyscale_jax.ops.flash_topk import flash_topk_reference
+from hyscale_jax.ops.flash_topk.pallas import flash_topk_pallas
+from pallas_kernels.flash_topk import Config as PallasConfig
 
 try:
+  from tests.jaxpr_tools import largest_intermediate
   from tests.oracles import index_scores as oracle_scores
   from tests.oracles import topk_oracle, visibility
 except ImportError:  # tests/ itself is on sys.path (pytest rootdir-less import mode)
+  from jaxpr_tools import largest_intermediate
   from oracles import index_scores as oracle_scores
   from oracles import topk_oracle, visibility
 
@@ -38,10 +43,27 @@ def _reference_jit(q, k, w, q_offset, segment_ids, *, topk, compress_ratio, scal
   )
 
 
+# Pallas configs for tiny shapes: the default (every key fits the buffer), a sampled threshold with
+# recursion, and buffers so small that rows overflow and the exact rescue runs.
+_PALLAS_CONFIGS = {
+    "pallas[threshold]": PallasConfig(block_rows=16, block_k=8, candidates=8, min_candidates=8,
+                                      sample_rank=2, chunk_bytes=2048),
+    "pallas[overflow]": PallasConfig(block_rows=32, block_k=16, candidates=2, min_candidates=2,
+                                     sample_rank=1, oversample=1.0),
+}
+
+
+@functools.partial(jax.jit, static_argnames=("topk", "compress_ratio", "scale", "config"))
+def _pallas_jit(q, k, w, q_offset, segment_ids, *, topk, compress_ratio, scale, config):
+  return flash_topk_pallas(q, k, w, topk=topk, compress_ratio=compress_ratio, q_offset=q_offset,
+                           segment_ids=segment_ids, scale=scale, config=config)
+
+
 def _all_backends(q, k, w, **kw):
-  """{name: (indices, scores)} for both public backends and the reference at tiny block sizes."""
+  """{name: (indices, scores)}: every public backend, the reference at tiny block sizes, and the
+  Pallas kernel (interpret mode) under configs that force its threshold and rescue paths."""
   results = {}
-  for backend in ("reference", "xla_baseline"):
+  for backend in ("reference", "xla_baseline", "pallas"):
     results[backend] = tuple(flash_topk(q, k, w, backend=backend, **kw))
   kw = dict(kw)
   q_offset = kw.pop("q_offset", 0)
@@ -51,6 +73,8 @@ def _all_backends(q, k, w, **kw):
   for qb, kc in _SMALL_BLOCKS:
     results[f"reference[{qb}x{kc}]"] = _reference_jit(
         q, k, w, q_offset, segment_ids, query_block=qb, key_chunk=kc, **kw)
+  for name, config in _PALLAS_CONFIGS.items():
+    results[name] = _pallas_jit(q, k, w, q_offset, segment_ids, config=config, **kw)
   return results
 
 
@@ -210,37 +234,14 @@ def test_jaxpr_has_one_named_equation_per_call(backend):
   assert _count_named(two, "flash_topk") == 2
 
 
-def _sub_jaxprs(value):
-  if hasattr(value, "eqns"):
-    yield value
-  elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-    yield value.jaxpr
-  elif isinstance(value, (list, tuple)):
-    for v in value:
-      yield from _sub_jaxprs(v)
-
-
-def _max_aval_size(jaxpr):
-  """The largest output aval (in elements) over all equations, recursing into sub-jaxprs."""
-  jaxpr = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") and hasattr(jaxpr.jaxpr, "eqns") else jaxpr
-  best = 0
-  for eqn in jaxpr.eqns:
-    for v in eqn.outvars:
-      best = max(best, int(np.prod(getattr(v.aval, "shape", ()))))
-    for p in eqn.params.values():
-      for sub in _sub_jaxprs(p):
-        best = max(best, _max_aval_size(sub))
-  return best
-
-
 def test_reference_never_materializes_score_table():
   B, T, H, D, topk = 1, 1024, 2, 8, 32
   q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((B, T, D), jnp.bfloat16)
   ref = jax.make_jaxpr(lambda q, k: flash_topk(q, k, topk=topk, backend="reference"))(q, k)
   base = jax.make_jaxpr(lambda q, k: flash_topk(q, k, topk=topk, backend="xla_baseline"))(q, k)
-  assert _max_aval_size(base) >= T * T  # the checker does see the baseline's table
-  assert _max_aval_size(ref) < T * T // 4
+  assert largest_intermediate(base) >= T * T  # the checker does see the baseline's table
+  assert largest_intermediate(ref) < T * T // 4
 
 
 def test_outputs_carry_no_gradient():
@@ -315,5 +316,4 @@ def test_bad_input_raises_value_error(case):
 def test_bad_backend_names():
   with pytest.raises(ValueError, match="backend"):
     flash_topk(_Q, _K, topk=3, backend="no_such_backend")
-  with pytest.raises(NotImplementedError, match="pallas"):
-    flash_topk(_Q, _K, topk=3, backend="pallas")
+  assert {"pallas", "reference", "xla_baseline"} <= set(flash_topk_api.REGISTRY.implementations)

@@ -12,8 +12,10 @@ from hyscale_jax.ops import sparse_attention
 from hyscale_jax.ops.sparse_attention import sparse_attention_reference
 
 try:
+  from tests.jaxpr_tools import equations, largest_intermediate
   from tests.oracles import sparse_attention_grads_oracle, sparse_attention_oracle
 except ImportError:  # tests/ itself is on sys.path
+  from jaxpr_tools import equations, largest_intermediate
   from oracles import sparse_attention_grads_oracle, sparse_attention_oracle
 
 # name -> (B, T, S, H, G, Dk, Dv, K, with_sinks)
@@ -138,24 +140,10 @@ def test_gradients_match_oracle(case, lse_cotangent):
       assert _rel_err(g, w) < 1e-4, (name, chunk, _rel_err(g, w))
 
 
-def _primitives(jaxpr):
-  jaxpr = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") and hasattr(jaxpr.jaxpr, "eqns") else jaxpr
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for p in eqn.params.values():
-      for sub in p if isinstance(p, (list, tuple)) else (p,):
-        if hasattr(sub, "eqns") or (hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns")):
-          yield from _primitives(sub)
-
-
-def _max_aval_size(jaxpr):
-  return max(int(np.prod(getattr(v.aval, "shape", ()))) for e in _primitives(jaxpr) for v in e.outvars)
-
-
 def test_is_custom_vjp():
   q, k, v, idx, _ = _make_inputs(np.random.default_rng(5), 1, 4, 5, 2, 1, 4, 4, 3, False)
   jaxpr = jax.make_jaxpr(lambda q, k, v: sparse_attention(q, k, v, idx, scale=1.0))(q, k, v)
-  assert any("custom_vjp" in e.primitive.name for e in _primitives(jaxpr))
+  assert any("custom_vjp" in e.primitive.name for e in equations(jaxpr))
 
 
 def test_reference_chunks_the_gather():
@@ -172,9 +160,9 @@ def test_reference_chunks_the_gather():
     return jax.make_jaxpr(f)(q, k, v, idx), jax.make_jaxpr(g)(q, k, v, idx)
 
   unchunked_fwd, _ = fwd_and_grad(T)
-  assert _max_aval_size(unchunked_fwd) >= full_gather  # the checker sees the full gather
+  assert largest_intermediate(unchunked_fwd) >= full_gather  # the checker sees the full gather
   for jaxpr in fwd_and_grad(8):
-    assert _max_aval_size(jaxpr) < full_gather
+    assert largest_intermediate(jaxpr) < full_gather
 
 
 _B, _T, _S, _H, _G, _Dk, _Dv, _K = 2, 4, 6, 4, 2, 8, 4, 3

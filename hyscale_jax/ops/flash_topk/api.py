@@ -19,8 +19,7 @@ REGISTRY = BackendRegistry(
     {"reference": flash_topk_reference, "xla_baseline": flash_topk_xla_baseline},
     auto_order={"gpu": ("pallas", "reference"), "default": ("reference",)},
 )
-# The Pallas kernel lands with its own issue; until then "auto" uses the reference everywhere.
-REGISTRY.register_optional("pallas", "pallas_kernels.flash_topk", "flash_topk_pallas")
+REGISTRY.register_optional("pallas", "hyscale_jax.ops.flash_topk.pallas", "flash_topk_pallas")
 
 
 class TopK(NamedTuple):

@@ -74,6 +74,56 @@ def _finish(hidden, scores, idx):
   return jnp.where(hidden, -1, idx).astype(jnp.int32), jnp.where(hidden, -jnp.inf, scores)
 
 
+def default_key_chunk(topk: int) -> int:
+  """Keys per merge step: each merge sorts topk + chunk candidates, so about topk keys (>= 256)."""
+  return max(256, 1 << (topk - 1).bit_length())
+
+
+def pad_keys(k, kv_seg, key_chunk: int):
+  """Pads k [B, Tk, D] (and kv_seg [B, Tk]) along keys to a multiple of `key_chunk` for `topk_rows`."""
+  size = st.cdiv(k.shape[1], key_chunk) * key_chunk
+  return st.pad_axis(k, 1, size), None if kv_seg is None else st.pad_axis(kv_seg, 1, size)
+
+
+def topk_rows(
+    q_rows: Float[Array, "B R H D"],
+    k_padded: Float[Array, "B Tk_pad D"],
+    w_rows: Float[Array, "B R H"] | None,
+    q_pos: Int[Array, "R"],
+    q_seg_rows: Int[Array, "B R"] | None,
+    kv_seg_padded: Int[Array, "B Tk_pad"] | None,
+    *,
+    num_keys: int,
+    topk: int,
+    compress_ratio: int,
+    scale: float,
+    key_chunk: int,
+) -> tuple[Int[Array, "B R topk"], Float[Array, "B R topk"]]:
+  """Exact top-k for R query rows at arbitrary absolute positions `q_pos`, streaming key chunks.
+
+  `k_padded`/`kv_seg_padded` come from `pad_keys(..., key_chunk)`; `num_keys` is the unpadded Tk.
+  Chunks past the last key visible to `max(q_pos)` are skipped. Empty slots hold (-1, -inf).
+  """
+  B, R = q_rows.shape[:2]
+  n_chunks = k_padded.shape[1] // key_chunk
+
+  def key_chunk_step(j, best):
+    start = j * key_chunk
+    k_pos = start + jnp.arange(key_chunk, dtype=jnp.int32)
+    k_blk = jax.lax.dynamic_slice_in_dim(k_padded, start, key_chunk, axis=1)
+    seg = None if kv_seg_padded is None else jax.lax.dynamic_slice_in_dim(
+        kv_seg_padded, start, key_chunk, axis=1)
+    vis = st.key_visible(q_pos, k_pos, compress_ratio, q_seg_rows, seg) & (k_pos < num_keys)
+    score = _rank_score(index_scores(q_rows, k_blk, w_rows, scale))
+    hidden = jnp.broadcast_to(~vis, score.shape).astype(jnp.int32)
+    return _merge_topk(best, (hidden, score, jnp.broadcast_to(k_pos, score.shape)), topk)
+
+  best = (jnp.ones((B, R, topk), jnp.int32), jnp.full((B, R, topk), -jnp.inf),
+          jnp.full((B, R, topk), _NO_INDEX, jnp.int32))
+  n_visible = st.visible_key_chunks(jnp.max(q_pos), compress_ratio, key_chunk, n_chunks)
+  return _finish(*jax.lax.fori_loop(0, n_visible, key_chunk_step, best))
+
+
 def flash_topk_reference(
     q: Float[Array, "B Tq H D"],
     k: Float[Array, "B Tk D"],
@@ -96,36 +146,17 @@ def flash_topk_reference(
   Returns:
     (indices i32[B, Tq, topk], scores f32[B, Tq, topk]); empty slots hold (-1, -inf).
   """
-  B, Tq, H, _ = q.shape
-  Tk = k.shape[1]
-  if key_chunk is None:
-    key_chunk = max(256, 1 << (topk - 1).bit_length())
-  bq, ck = min(query_block, Tq), min(key_chunk, Tk)
-  n_chunks = st.cdiv(Tk, ck)
-  k = st.pad_axis(k, 1, n_chunks * ck)
+  Tq, Tk = q.shape[1], k.shape[1]
+  bq, ck = min(query_block, Tq), min(key_chunk or default_key_chunk(topk), Tk)
   q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
-  if kv_seg is not None:
-    kv_seg = st.pad_axis(kv_seg, 1, n_chunks * ck)
+  k, kv_seg = pad_keys(k, kv_seg, ck)
   q_offset = jnp.asarray(q_offset, jnp.int32)
 
   def query_block_topk(xs):
     i, q_blk, w_blk, seg_blk = xs  # [B, bq, H, D], [B, bq, H] | None, [B, bq] | None
     q_pos = q_offset + i * bq + jnp.arange(bq, dtype=jnp.int32)
-
-    def key_chunk_step(j, best):
-      start = j * ck
-      k_pos = start + jnp.arange(ck, dtype=jnp.int32)
-      k_blk = jax.lax.dynamic_slice_in_dim(k, start, ck, axis=1)
-      seg = None if kv_seg is None else jax.lax.dynamic_slice_in_dim(kv_seg, start, ck, axis=1)
-      vis = st.key_visible(q_pos, k_pos, compress_ratio, seg_blk, seg) & (k_pos < Tk)
-      score = _rank_score(index_scores(q_blk, k_blk, w_blk, scale))
-      hidden = jnp.broadcast_to(~vis, score.shape).astype(jnp.int32)
-      return _merge_topk(best, (hidden, score, jnp.broadcast_to(k_pos, score.shape)), topk)
-
-    best = (jnp.ones((B, bq, topk), jnp.int32), jnp.full((B, bq, topk), -jnp.inf),
-            jnp.full((B, bq, topk), _NO_INDEX, jnp.int32))
-    n_visible = st.visible_key_chunks(q_pos[-1], compress_ratio, ck, n_chunks)
-    return _finish(*jax.lax.fori_loop(0, n_visible, key_chunk_step, best))
+    return topk_rows(q_blk, k, w_blk, q_pos, seg_blk, kv_seg, num_keys=Tk, topk=topk,
+                     compress_ratio=compress_ratio, scale=scale, key_chunk=ck)
 
   n_blocks = st.cdiv(Tq, bq)
   xs = (

@@ -1,0 +1,251 @@
+"""FlashTopK on the GPU: the Pallas backend against the XLA baseline, the reference and a ceiling.
+
+Run on the H200 (one call per mode; every figure in a table comes from the same process):
+
+  python bench/flash_topk.py check                 # GPU correctness: bit-exact on integer inputs
+  python bench/flash_topk.py tune --seq 16384      # main-pass configs at one shape
+  python bench/flash_topk.py table --shapes dsa16k dsa64k glm64k --out flash_topk.json
+
+FLOPs are causal-effective: 2·H·D per visible (query, key) pair. "ceiling" is the same main pass with
+the threshold at +inf, so it scores and masks every visible pair and selects nothing: the cost of
+the matmul and its epilogue. Memory is XLA's compiled temp allocation: working memory beyond the
+inputs and outputs.
+"""
+
+import argparse
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, ".")
+sys.path.insert(0, "bench")
+from hyscale_jax import ops  # noqa: E402
+from hyscale_jax.ops.flash_topk import pallas as topk_pallas  # noqa: E402
+from hyscale_jax.ops.flash_topk.pallas import flash_topk_pallas_with_stats  # noqa: E402
+from pallas_kernels.flash_topk import Config, flash_topk_candidates  # noqa: E402
+from timing import timed  # noqa: E402
+
+# name -> (T, H, D, topk, compress_ratio, weights?)
+SHAPES = {
+    "dsa16k": (16384, 64, 128, 2048, 1, True),
+    "dsa64k": (65536, 64, 128, 2048, 1, True),
+    "dsa128k": (131072, 64, 128, 2048, 1, True),
+    "glm64k": (65536, 32, 128, 2048, 1, True),
+    "csa128k": (131072, 64, 128, 512, 4, True),
+    "qsa128k": (131072, 4, 128, 512, 4, False),
+    "dsa1m": (1048576, 64, 128, 2048, 1, True),
+}
+
+
+def visible_pairs(T, compress_ratio):
+  p = np.arange(T, dtype=np.int64)
+  return int(np.minimum(T // compress_ratio, (p + 1) // compress_ratio).sum())
+
+
+def inputs(T, H, D, compress_ratio, use_weights, dtype=jnp.bfloat16, seed=0):
+  kq, kk, kw = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(kq, (1, T, H, D), dtype)
+  k = jax.random.normal(kk, (1, T // compress_ratio, D), dtype)
+  w = jax.random.normal(kw, (1, T, H), jnp.float32) if use_weights else None
+  return q, k, w
+
+
+def temp_bytes(fn, *args):
+  return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+def run_check():
+  """Pallas vs reference vs xla_baseline on the GPU: integer inputs bit-exact; real inputs compared."""
+  rng = np.random.default_rng(0)
+  rows = []
+  for T, H, topk, cr, use_w, lo, hi in [(4096, 64, 256, 1, True, -2, 2), (4096, 4, 64, 4, False, -1, 1),
+                                        (8192, 32, 2048, 1, True, 0, 1)]:
+    q = jnp.asarray(rng.integers(lo, hi + 1, (2, T, H, 128)), jnp.bfloat16)
+    k = jnp.asarray(rng.integers(lo, hi + 1, (2, T // cr, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.integers(-2, 3, (2, T, H)), jnp.float32) if use_w else None
+    kw = dict(topk=topk, compress_ratio=cr, scale=0.5)
+    got_i, got_s, stats = jax.jit(functools.partial(flash_topk_pallas_with_stats, **kw))(q, k, w)
+    ref = ops.flash_topk(q, k, w, backend="reference", **kw)
+    base = ops.flash_topk(q, k, w, backend="xla_baseline", **kw)
+    row = dict(check="integer", T=T, H=H, topk=topk, compress_ratio=cr,
+               equal_reference=bool(jnp.array_equal(got_i, ref.indices) & jnp.array_equal(got_s, ref.scores)),
+               equal_baseline=bool(jnp.array_equal(got_i, base.indices)),
+               rescued=int(stats["rescued"]), candidates_per_row=float(stats["candidates_per_row"]))
+    print(row, flush=True)
+    rows.append(row)
+  q, k, w = inputs(16384, 64, 128, 1, True)
+  got = jax.jit(functools.partial(flash_topk_pallas_with_stats, topk=2048, scale=128**-0.5))(q, k, w)
+  base = ops.flash_topk(q, k, w, topk=2048, scale=128**-0.5, backend="xla_baseline")
+  same_rows = float(jnp.mean(jnp.all(got[0] == base.indices, axis=-1)))
+  overlap = float(jnp.mean(jnp.sort(got[0], -1) == jnp.sort(base.indices, -1)))
+  row = dict(check="random_bf16", T=16384, rows_identical=same_rows, sorted_slot_agreement=overlap,
+             rescued=int(got[2]["rescued"]), candidates_per_row=float(got[2]["candidates_per_row"]))
+  print(row, flush=True)
+  rows.append(row)
+  return rows
+
+
+def ceiling_fn(topk, compress_ratio, config):
+  def fn(q, k, w):
+    t = jnp.full(q.shape[:2], jnp.inf, jnp.float32)
+    c = flash_topk_candidates(q, k, w, t, q_offset=0, segment_ids=None, topk=topk,
+                              compress_ratio=compress_ratio, scale=128**-0.5, slots=1024, config=config,
+                              interpret=False)
+    return c.n_above, c.n_visible
+  return fn
+
+
+def pallas_fn(topk, compress_ratio, config):
+  return functools.partial(flash_topk_pallas_with_stats, topk=topk, compress_ratio=compress_ratio,
+                           scale=128**-0.5, config=config)
+
+
+def run_tune(T, configs):
+  q, k, w = inputs(T, 64, 128, 1, True)
+  flops = 2 * 64 * 128 * visible_pairs(T, 1)
+  rows = []
+  for config in configs:
+    for name, make in (("ceiling", ceiling_fn), ("pallas", pallas_fn)):
+      try:
+        s = timed(jax.jit(make(2048, 1, config)), q, k, w, reps=3)
+        row = dict(variant=name, T=T, config=str(config), ms=s * 1e3, tflops=flops / s / 1e12)
+      except Exception as e:  # a config Triton cannot compile: report it and go on
+        row = dict(variant=name, T=T, config=str(config), error=f"{type(e).__name__}: {str(e)[:200]}")
+      print(row, flush=True)
+      rows.append(row)
+  return rows
+
+
+def run_breakdown(T, config, topk=2048):
+  """Where the Pallas backend's time goes: threshold, main pass, finish (+ rescue) by subtraction."""
+  q, k, w = inputs(T, 64, 128, 1, True)
+  flops = 2 * 64 * 128 * visible_pairs(T, 1)
+  scale = 128**-0.5
+  slots = config.candidate_slots(topk, T)
+  zero = jnp.int32(0)
+  threshold = jax.jit(lambda q, k, w: topk_pallas._threshold(
+      q, k, w, zero, None, None, topk=topk, compress_ratio=1, scale=scale, slots=slots, config=config,
+      interpret=False))
+  t = threshold(q, k, w)
+  main = jax.jit(lambda q, k, w, t: flash_topk_candidates(
+      q, k, w, t, q_offset=0, segment_ids=None, topk=topk, compress_ratio=1, scale=scale, slots=slots,
+      config=config, interpret=False))
+  full = jax.jit(pallas_fn(topk, 1, config))
+  ceiling = jax.jit(ceiling_fn(topk, 1, config))
+  finish = jax.jit(lambda c, t: topk_pallas._finish(c, t, topk))
+  top_k_only = jax.jit(lambda s: jax.lax.top_k(s, topk))
+  cands = main(q, k, w, t)
+  times = dict(threshold=timed(threshold, q, k, w, reps=3), main_pass=timed(main, q, k, w, t, reps=3),
+               finish_unchunked=timed(finish, cands, t, reps=3), top_k_alone=timed(top_k_only, cands.scores),
+               full=timed(full, q, k, w, reps=3), ceiling=timed(ceiling, q, k, w, reps=3))
+  times["rest"] = times["full"] - times["threshold"] - times["main_pass"] - times["finish_unchunked"]
+  stats = full(q, k, w)[2]
+  row = dict(T=T, config=str(config), **{f"{n}_ms": v * 1e3 for n, v in times.items()},
+             full_tflops=flops / times["full"] / 1e12, ceiling_tflops=flops / times["ceiling"] / 1e12,
+             candidates_per_row=float(stats["candidates_per_row"]), rescued=int(stats["rescued"]))
+  print(row, flush=True)
+  return [row]
+
+
+def run_memory(shapes, config):
+  """Compile-only: the Pallas backend's working memory (XLA temp bytes) at each shape."""
+  rows = []
+  for shape in shapes:
+    T, H, D, topk, cr, use_w = SHAPES[shape]
+    args = (jax.ShapeDtypeStruct((1, T, H, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, T // cr, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, T, H), jnp.float32) if use_w else None)
+    analysis = jax.jit(pallas_fn(topk, cr, config)).lower(*args).compile().memory_analysis()
+    row = dict(shape=shape, variant="pallas", temp_gb=analysis.temp_size_in_bytes / 1e9,
+               output_gb=analysis.output_size_in_bytes / 1e9, argument_gb=analysis.argument_size_in_bytes / 1e9)
+    print(row, flush=True)
+    rows.append(row)
+  return rows
+
+
+def run_table(shapes, config, reps, skip):
+  rows = []
+  for shape in shapes:
+    T, H, D, topk, cr, use_w = SHAPES[shape]
+    q, k, w = inputs(T, H, D, cr, use_w)
+    flops = 2 * H * D * visible_pairs(T, cr)
+    variants = {
+        "pallas": jax.jit(pallas_fn(topk, cr, config)),
+        "ceiling": jax.jit(ceiling_fn(topk, cr, config)),
+        "xla_baseline": jax.jit(lambda q, k, w: tuple(ops.flash_topk(
+            q, k, w, topk=topk, compress_ratio=cr, scale=D**-0.5, backend="xla_baseline"))),
+        "reference": jax.jit(lambda q, k, w: tuple(ops.flash_topk(
+            q, k, w, topk=topk, compress_ratio=cr, scale=D**-0.5, backend="reference"))),
+    }
+    results, selected = {}, {}
+    for name, fn in variants.items():
+      if name in skip.get(shape, ()):
+        continue
+      out = jax.block_until_ready(fn(q, k, w))  # the warm-up; its stats are reported
+      seconds = timed(fn, q, k, w, reps=reps, warmup=False)
+      row = dict(shape=shape, T=T, H=H, topk=topk, compress_ratio=cr, variant=name, ms=seconds * 1e3,
+                 tflops=flops / seconds / 1e12, temp_gb=temp_bytes(fn, q, k, w) / 1e9)
+      if name == "pallas":
+        stats = out[2]
+        row.update(rescued=int(stats["rescued"]), candidates_per_row=float(stats["candidates_per_row"]))
+      if name in ("pallas", "xla_baseline"):
+        selected[name] = jnp.sort(out[0], axis=-1)
+      del out
+      results[name] = row
+      print(row, flush=True)
+    if len(selected) == 2:  # f32 rounding may move keys tied within an ulp of the k-th score
+      results["pallas"]["agreement_with_xla_baseline"] = float(
+          jnp.mean(selected["pallas"] == selected["xla_baseline"]))
+    selected.clear()
+    for row in results.values():
+      if "xla_baseline" in results:
+        row["speedup_vs_xla_baseline"] = results["xla_baseline"]["ms"] / row["ms"]
+      if "ceiling" in results:
+        row["fraction_of_ceiling"] = results["ceiling"]["ms"] / row["ms"]
+    rows += results.values()
+  print("\n| shape | variant | ms | TFLOP/s | x xla_baseline | / ceiling | temp GB | rescued rows | cand/row |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['shape']} | {r['variant']} | {r['ms']:.1f} | {r['tflops']:.1f} | "
+          f"{r.get('speedup_vs_xla_baseline', float('nan')):.2f} | {r.get('fraction_of_ceiling', float('nan')):.2f} | "
+          f"{r['temp_gb']:.2f} | {r.get('rescued', '')} | {r.get('candidates_per_row', ''):} |")
+  return rows
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("mode", choices=("check", "tune", "breakdown", "memory", "table"))
+  parser.add_argument("--seq", type=int, default=16384)
+  parser.add_argument("--shapes", nargs="+", default=["dsa16k", "dsa64k"])
+  parser.add_argument("--only", nargs="*", default=None, help="variants to run (default: all)")
+  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--config", type=json.loads, default={}, help="Config fields as JSON")
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args()
+  print(jax.devices(), flush=True)
+  if args.mode == "check":
+    rows = run_check()
+  elif args.mode == "memory":
+    rows = run_memory(args.shapes, Config(**args.config))
+  elif args.mode == "breakdown":
+    rows = run_breakdown(args.seq, Config(**args.config))
+  elif args.mode == "tune":
+    configs = [Config(block_rows=r, block_k=bk, num_warps=nw, num_stages=ns)
+               for r, bk, nw, ns in [(64, 64, 4, 2), (64, 128, 4, 2), (64, 64, 2, 2), (64, 64, 8, 2),
+                                     (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 4, 2)]]
+    rows = run_tune(args.seq, configs)
+  else:
+    every = {"pallas", "ceiling", "xla_baseline", "reference"}
+    skip = {s: every - set(args.only) for s in args.shapes} if args.only else {}
+    rows = run_table(args.shapes, Config(**args.config), args.reps, skip)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

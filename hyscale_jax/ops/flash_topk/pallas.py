@@ -1,0 +1,186 @@
+"""The `"pallas"` backend of `flash_topk`: one scoring pass with a threshold, then an exact finish.
+
+1. **Threshold.** `t[row]` is the r-th best score over a strided sample of the keys: every
+   `stride`-th key, which is the same problem with `compress_ratio * stride`, solved by this same
+   function recursively until the keys fit the candidate buffer (then `t = -inf`, take them all).
+   With `stride ~ oversample * topk / r`, about `oversample * topk` keys per row score above `t`,
+   for any score order (increasing scores included), at about 1/stride of the main pass's FLOPs.
+2. **Main pass** (`pallas_kernels.flash_topk`). Scores every visible key once on the tensor cores,
+   keeps the keys above `t` and the first `topk` keys tied at `t`, and counts both.
+3. **Finish** (XLA). `lax.top_k` over the keys above `t` (equal scores: lower slot, which is the
+   lower key), then the ties in key order. This is exact whenever the row's counts show
+   `n_above <= slots` and `n_above + n_tied >= min(topk, n_visible)`: every winner is above `t`
+   (all kept) or tied at `t` (lowest indices win, and those were kept first).
+4. **Rescue.** Rows failing either count (buffer overflow, or `t` above the row's k-th score) are
+   recomputed by the streaming reference, so an overflow never drops a winner silently.
+
+The zero plateau of ReLU scores is just a tie class: with `t == 0` the tie buffer keeps the first
+`topk` zeros and the row does not overflow. Queries run in chunks so that the candidate buffers stay
+under `Config.chunk_bytes`: working memory does not grow with Tq * Tk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from hyscale_jax.ops import _streaming as st
+from hyscale_jax.ops.flash_topk.reference import default_key_chunk, pad_keys, topk_rows
+from pallas_kernels.flash_topk import Candidates, Config, flash_topk_candidates, next_power_of_two
+
+
+def flash_topk_pallas(q, k, weights, *, topk, compress_ratio=1, q_offset=0, segment_ids=None,
+                      scale=1.0, config: Config | None = None, interpret: bool | None = None):
+  """Exact top-k as `ops.flash_topk` defines it, with the Pallas main pass.
+
+  Args:
+    q: bf16|f32[B, Tq, H, D]; k: bf16|f32[B, Tk, D]; weights: bf16|f32[B, Tq, H] or None.
+    topk, compress_ratio, q_offset, segment_ids, scale: as in `ops.flash_topk`.
+    config: `pallas_kernels.flash_topk.Config`; None = the defaults.
+    interpret: run the kernel in Pallas interpret mode; None = whenever JAX's backend is not a GPU.
+
+  Returns:
+    (indices i32[B, Tq, topk], scores f32[B, Tq, topk]); empty slots hold (-1, -inf).
+  """
+  indices, scores, _ = _run(q, k, weights, topk=topk, compress_ratio=compress_ratio,
+                            q_offset=q_offset, segment_ids=segment_ids, scale=scale, config=config,
+                            interpret=interpret)
+  return indices, scores
+
+
+def flash_topk_pallas_with_stats(q, k, weights, *, topk, compress_ratio=1, q_offset=0,
+                                 segment_ids=None, scale=1.0, config: Config | None = None,
+                                 interpret: bool | None = None):
+  """`flash_topk_pallas` plus how its threshold did, for tuning, benchmarks and tests.
+
+  Returns:
+    (indices, scores, stats) where stats is a dict: `rows` (B * Tq); `rescued` (i32: rows the main
+    pass could not prove exact, which the reference recomputed); `candidates_per_row` (f32: mean
+    keys kept above the threshold; the threshold aims at `oversample * topk`).
+  """
+  return _run(q, k, weights, topk=topk, compress_ratio=compress_ratio, q_offset=q_offset,
+              segment_ids=segment_ids, scale=scale, config=config, interpret=interpret)
+
+
+def _run(q, k, weights, *, topk, compress_ratio, q_offset, segment_ids, scale, config, interpret):
+  config = config or Config()
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  dtype = jnp.promote_types(q.dtype, k.dtype)
+  q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
+  return _select(q.astype(dtype), k.astype(dtype), weights, jnp.asarray(q_offset, jnp.int32), q_seg,
+                 kv_seg, topk=topk, compress_ratio=compress_ratio, scale=scale, config=config,
+                 interpret=interpret)
+
+
+def _select(q, k, weights, q_offset, q_seg, kv_seg, *, topk, compress_ratio, scale, config,
+            interpret):
+  """(indices, scores, stats) for the top level; the threshold recursion uses the same path."""
+  B, Tq, H, _ = q.shape
+  Tk = k.shape[1]
+  slots = config.candidate_slots(topk, Tk)
+  threshold = _threshold(q, k, weights, q_offset, q_seg, kv_seg, topk=topk,
+                         compress_ratio=compress_ratio, scale=scale, slots=slots, config=config,
+                         interpret=interpret)
+  # Query chunks bound the candidate buffers. The last chunk is shifted back to end at Tq (rows it
+  # shares with the previous chunk are recomputed identically), so q is never padded or copied.
+  block_q = config.block_q(H)
+  row_bytes = B * (8 * slots + 4 * next_power_of_two(min(topk, Tk)))
+  chunk = min(Tq, max(block_q, config.chunk_bytes // row_bytes // block_q * block_q))
+  rows = lambda x, start: None if x is None else jax.lax.dynamic_slice_in_dim(x, start, chunk, 1)
+
+  def chunk_topk(c, outs):
+    start = jnp.minimum(c * chunk, Tq - chunk)
+    t_c = rows(threshold, start)
+    candidates = flash_topk_candidates(
+        rows(q, start), k, rows(weights, start), t_c, q_offset=q_offset + start,
+        segment_ids=None if q_seg is None else (rows(q_seg, start), kv_seg), topk=topk,
+        compress_ratio=compress_ratio, scale=scale, slots=slots, config=config, interpret=interpret)
+    found = (*_finish(candidates, t_c, topk), candidates.n_above)
+    return tuple(jax.lax.dynamic_update_slice_in_dim(o, f, start, 1) for o, f in zip(outs, found))
+
+  outs = (jnp.zeros((B, Tq, topk), jnp.int32), jnp.zeros((B, Tq, topk), jnp.float32),
+          jnp.zeros((B, Tq), bool), jnp.zeros((B, Tq), jnp.int32))
+  indices, scores, exact, n_above = jax.lax.fori_loop(0, st.cdiv(Tq, chunk), chunk_topk, outs)
+  indices, scores = _rescue(indices, scores, exact, q, k, weights, q_offset, q_seg, kv_seg,
+                            topk=topk, compress_ratio=compress_ratio, scale=scale,
+                            rows_per_step=config.rescue_rows)
+  stats = dict(rows=B * Tq, rescued=jnp.sum(~exact, dtype=jnp.int32),
+               candidates_per_row=jnp.mean(n_above.astype(jnp.float32)))
+  return indices, scores, stats
+
+
+def _threshold(q, k, weights, q_offset, q_seg, kv_seg, *, topk, compress_ratio, scale, slots, config,
+               interpret):
+  """f32[B, Tq]: the r-th best score of a strided key sample, or -inf where every key fits."""
+  B, Tq = q.shape[:2]
+  Tk = k.shape[1]
+  stride = max(2, round(config.oversample * topk / config.sample_rank))
+  if Tk <= slots or Tk < stride:
+    return jnp.full((B, Tq), -jnp.inf, jnp.float32)
+  rank = max(1, math.ceil(config.oversample * topk / stride))
+  # Sample key j is key j*stride + stride-1: visible exactly when (j+1) * stride * compress_ratio
+  # <= p + 1, which is the same problem with compress_ratio * stride.
+  k_sample = k[:, stride - 1 :: stride]
+  kv_seg_sample = None if kv_seg is None else kv_seg[:, stride - 1 :: stride]
+  _, sample_scores, _ = _select(q, k_sample, weights, q_offset, q_seg, kv_seg_sample, topk=rank,
+                                compress_ratio=compress_ratio * stride, scale=scale,
+                                config=config, interpret=interpret)
+  return sample_scores[..., rank - 1]
+
+
+def _finish(c: Candidates, threshold, topk):
+  """(indices, scores, exact): the top-k from the candidates, and whether the counts prove it."""
+  slots, tie_slots = c.indices.shape[-1], c.tie_indices.shape[-1]
+  n_kept = jnp.minimum(c.n_above, slots)[..., None]
+  score = jnp.where(jnp.arange(slots) < n_kept, c.scores, -jnp.inf)
+  best, slot = jax.lax.top_k(score, min(topk, slots))  # equal scores: lower slot = lower key first
+  best_idx = jnp.take_along_axis(c.indices, slot, axis=-1)
+  best, best_idx = st.pad_axis(best, 2, topk, -jnp.inf), st.pad_axis(best_idx, 2, topk, -1)
+  j = jnp.arange(topk)
+  from_above = j < n_kept
+  tie_j = j - n_kept
+  from_tie = ~from_above & (tie_j < c.n_tied[..., None]) & (tie_j < tie_slots)
+  tie_idx = jnp.take_along_axis(c.tie_indices, jnp.clip(tie_j, 0, tie_slots - 1), axis=-1)
+  indices = jnp.where(from_above, best_idx, jnp.where(from_tie, tie_idx, -1))
+  scores = jnp.where(from_above, best, jnp.where(from_tie, threshold[..., None], -jnp.inf))
+  found = c.n_above + c.n_tied
+  exact = (c.n_above <= slots) & ((found >= topk) | (found >= c.n_visible))
+  return indices, scores, exact
+
+
+def _rescue(indices, scores, exact, q, k, weights, q_offset, q_seg, kv_seg, *, topk, compress_ratio,
+            scale, rows_per_step):
+  """Recomputes the rows not proven exact with the streaming reference, `rows_per_step` at a time.
+
+  indices/scores [B, Tq, topk] and exact bool[B, Tq]; q [B, Tq, H, D], k [B, Tk, D]. One while loop
+  per sequence updates the outputs in place (a vmapped loop would select between whole carries and
+  double the outputs' memory); with nothing to rescue each loop runs zero steps.
+  """
+  B, Tq = q.shape[:2]
+  Tk = k.shape[1]
+  key_chunk = min(default_key_chunk(topk), Tk)
+  k, kv_seg = pad_keys(k, kv_seg, key_chunk)
+  n_steps = st.cdiv(Tq, rows_per_step)
+  for b in range(B):
+    todo = jnp.nonzero(~exact[b], size=n_steps * rows_per_step, fill_value=Tq)[0]
+    n_todo = jnp.sum(~exact[b])
+    one = lambda x, b=b: None if x is None else x[b : b + 1]
+
+    def step(state, b=b, todo=todo, one=one):
+      s, indices, scores = state
+      rows = jax.lax.dynamic_slice_in_dim(todo, s * rows_per_step, rows_per_step)
+      safe = jnp.minimum(rows, Tq - 1)
+      take = lambda x: None if x is None else x[b][safe][None]
+      new_idx, new_sc = topk_rows(
+          take(q), one(k), take(weights), q_offset + safe, take(q_seg), one(kv_seg), num_keys=Tk,
+          topk=topk, compress_ratio=compress_ratio, scale=scale, key_chunk=key_chunk)
+      return (s + 1, indices.at[b, rows].set(new_idx[0], mode="drop"),
+              scores.at[b, rows].set(new_sc[0], mode="drop"))
+
+    _, indices, scores = jax.lax.while_loop(
+        lambda state, n_todo=n_todo: state[0] * rows_per_step < n_todo, step,
+        (jnp.int32(0), indices, scores))
+  return indices, scores

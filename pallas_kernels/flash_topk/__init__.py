@@ -1,0 +1,7 @@
+"""The Pallas main pass behind the `"pallas"` backend of `hyscale_jax.ops.flash_topk`."""
+
+from pallas_kernels.flash_topk.flash_topk import (
+    Candidates, Config, flash_topk_candidates, next_power_of_two,
+)
+
+__all__ = ["Candidates", "Config", "flash_topk_candidates", "next_power_of_two"]

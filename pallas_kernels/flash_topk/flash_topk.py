@@ -1,0 +1,265 @@
+"""The FlashTopK main pass in Pallas (Triton style): score key tiles, keep what beats a threshold.
+
+Each program scores `block_q` queries (x H heads as matmul rows, so one key tile feeds every head)
+against `block_k` keys per step on the tensor cores, applies ReLU and the head weights, and sums
+over heads in f32. Against a per-row threshold `t` it appends, in key order,
+
+* every visible key with `score > t` into a buffer of `slots` (index, score) pairs per row, and
+* the first `tie_slots` visible keys with `score == t` (indices only) into a tie buffer,
+
+and counts both, plus the visible keys, so a caller can prove each row exact or recompute it: the
+counts keep growing after a buffer is full. No [Tq, Tk] table is written; key tiles after the last
+key visible to a query block are not computed. The scores are the kernel's own f32 arithmetic
+(products in f32, head sum in f32, then `scale`, -0 folded to +0, NaN ranked as -inf), which on
+integer-valued inputs is bit-identical to the reference.
+
+`hyscale_jax.ops.flash_topk.pallas` builds the exact top-k on this pass (threshold from a key
+sample, exact finish, rescue); see its docstring. Triton wants power-of-two blocks and matmul dims
+>= 16, so `flash_topk_candidates` pads heads (with zero weight) and the head dim (with zeros) to
+powers of two, the keys to a multiple of `block_k`, and the queries to a multiple of `block_q`.
+Everything here is plain Pallas with BlockSpecs, so `interpret=True` runs it on a CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def next_power_of_two(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tuning knobs. The defaults come from the H200 measurements in bench/NOTES.md.
+
+  Attributes:
+    block_rows: matmul rows per program, block_q = block_rows // H queries (at least 1);
+      None = the measured default (see `block_q`).
+    block_k: keys per step (a power of two).
+    num_warps, num_stages: Triton launch parameters.
+    oversample: expected strict candidates per row, in units of topk (sets the sample stride).
+    sample_rank: r, the rank of the sample score used as the threshold (more = less noisy).
+    candidates: strict-candidate slots per row (a power of two); None = 4 * topk, at least
+      `min_candidates`. Rows whose keys fit take every visible key (no threshold).
+    min_candidates: the smallest candidate buffer.
+    chunk_bytes: candidate-buffer bytes per query chunk; bounds the working memory.
+    rescue_rows: rows per step of the exact fallback.
+  """
+
+  block_rows: int | None = None
+  block_k: int = 128
+  num_warps: int = 4
+  num_stages: int = 2
+  oversample: float = 2.0
+  sample_rank: int = 64
+  candidates: int | None = None
+  min_candidates: int = 1024
+  chunk_bytes: int = 256 << 20
+  rescue_rows: int = 16
+
+  def __post_init__(self):
+    for name in ("block_rows", "block_k", "candidates", "min_candidates"):
+      value = getattr(self, name)
+      if value is not None and (value < 1 or value & (value - 1)):
+        raise ValueError(f"Config.{name}={value} must be a power of two.")
+    if not self.oversample >= 1.0:
+      raise ValueError(f"Config.oversample={self.oversample} must be >= 1.")
+    if self.sample_rank < 1 or self.rescue_rows < 1 or self.chunk_bytes < 1:
+      raise ValueError("Config.sample_rank, rescue_rows and chunk_bytes must be >= 1.")
+
+  def candidate_slots(self, topk: int, num_keys: int) -> int:
+    """Strict-candidate slots per row for this problem (a power of two)."""
+    slots = self.candidates or max(self.min_candidates, next_power_of_two(4 * topk))
+    return min(slots, next_power_of_two(num_keys))
+
+  def block_q(self, num_heads: int) -> int:
+    """Queries per program for `num_heads` heads (padded to a power of two).
+
+    By default one query per program once its heads fill a 16-row matmul (H=32 at 64K: 127
+    TFLOP/s against 82 with two queries), else 64 rows (QSA's 4 heads: 16 queries).
+    """
+    heads = next_power_of_two(num_heads)
+    if self.block_rows is None:
+      return 1 if heads >= 16 else 64 // heads
+    return max(1, self.block_rows // heads)
+
+
+def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads, block_k, num_keys,
+                       compress_ratio, scale, slots, tie_slots, has_weights, has_segments, precise):
+  # Inputs: q_offset [1], q [block_q*H, D], k [Tk_pad, D], t [block_q], then weights [block_q*H, 1]
+  # and (q_seg [block_q], kv_seg [Tk_pad]) when present. Outputs: candidate indices and scores
+  # [block_q*slots], tie indices [block_q*tie_slots], and n_gt, n_eq, n_visible [block_q].
+  refs = list(refs)
+  w_ref = refs.pop(0) if has_weights else None
+  q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if has_segments else (None, None)
+  cand_idx_ref, cand_score_ref, tie_idx_ref, n_gt_ref, n_eq_ref, n_vis_ref = refs
+
+  q_pos = q_offset_ref[0] + pl.program_id(1) * block_q + jax.lax.broadcasted_iota(
+      jnp.int32, (block_q,), 0)
+  q = q_ref[...]
+  w = w_ref[...].astype(jnp.float32) if has_weights else None
+  t = t_ref[...]
+  q_seg = q_seg_ref[...] if has_segments else None
+  row = jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+  keys_visible_to_last = jnp.clip((jnp.max(q_pos) + 1) // compress_ratio, 0, num_keys)
+  n_tiles = (keys_visible_to_last + block_k - 1) // block_k  # later tiles are all causal-masked
+  # Tiles before the first query's causal edge are visible to the whole block: no causal mask there.
+  n_unmasked = jnp.clip((jnp.min(q_pos) + 1) // compress_ratio, 0, num_keys) // block_k
+
+  def append(refs, mask, count, values, capacity):
+    # Row r's selected entries of this tile go to slots count[r], count[r]+1, ... in key order.
+    slot = count[:, None] + jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1
+    keep = mask & (slot < capacity)
+    # Masked-off lanes point past the block: Triton never touches them, and interpret mode (which
+    # scatters every lane, masked ones with their old value) drops out-of-bounds writes instead of
+    # letting them clobber a kept lane's slot.
+    target = jnp.where(keep, row * capacity + slot, block_q * capacity)
+    for ref, value in zip(refs, values):
+      plgpu.store(ref.at[target], value, mask=keep)
+
+  def step(j, counts, causal_mask):
+    n_gt, n_eq, n_vis = counts
+    k_pos = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+    k_tile = k_ref[pl.ds(j * block_k, block_k), :]
+    dots = jax.lax.dot_general(q, k_tile, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32,
+                               precision=_HIGHEST if precise else None)  # [block_q*H, block_k]
+    relu = jnp.maximum(dots, 0.0)
+    if has_weights:
+      relu = relu * w
+    score = relu.reshape(block_q, heads, block_k).sum(axis=1) * scale
+    score = jnp.where(score == 0.0, 0.0, score)  # -0 joins the zero plateau's tie class
+    score = jnp.where(jnp.isnan(score), -jnp.inf, score)  # NaN ranks lowest, as in the reference
+    above, tied = score > t[:, None], score == t[:, None]
+    if causal_mask or has_segments:
+      visible = jnp.full((block_q, block_k), True)
+      if causal_mask:
+        visible = (((k_pos[None, :] + 1) * compress_ratio <= q_pos[:, None] + 1)
+                   & (k_pos < num_keys)[None, :])
+      if has_segments:
+        visible &= q_seg[:, None] == kv_seg_ref[pl.ds(j * block_k, block_k)][None, :]
+        n_vis = n_vis + visible.astype(jnp.int32).sum(axis=1)
+      above, tied = above & visible, tied & visible
+    n_above, n_tied = above.astype(jnp.int32).sum(axis=1), tied.astype(jnp.int32).sum(axis=1)
+    k_pos_tile = jnp.broadcast_to(k_pos[None, :], (block_q, block_k))
+
+    # Most tiles append nothing once the threshold is good: skip the scan and the scatter there.
+    @pl.when(jnp.max(n_above) > 0)
+    def _():
+      append((cand_idx_ref, cand_score_ref), above, n_gt, (k_pos_tile, score), slots)
+
+    @pl.when(jnp.max(jnp.where(n_eq < tie_slots, n_tied, 0)) > 0)
+    def _():
+      append((tie_idx_ref,), tied, n_eq, (k_pos_tile,), tie_slots)
+
+    return n_gt + n_above, n_eq + n_tied, n_vis
+
+  zeros = jnp.zeros((block_q,), jnp.int32)
+  counts = jax.lax.fori_loop(0, n_unmasked, functools.partial(step, causal_mask=False),
+                             (zeros, zeros, zeros))
+  n_gt, n_eq, n_vis = jax.lax.fori_loop(n_unmasked, n_tiles, functools.partial(step, causal_mask=True),
+                                        counts)
+  if not has_segments:
+    n_vis = jnp.clip((q_pos + 1) // compress_ratio, 0, num_keys)
+  n_gt_ref[...] = n_gt
+  n_eq_ref[...] = n_eq
+  n_vis_ref[...] = n_vis
+
+
+class Candidates(NamedTuple):
+  """The main pass's output for queries [B, Tq]: buffers in key order, and exact counts.
+
+  Entries past a row's count (or past the buffer) are unspecified.
+  """
+
+  indices: jax.Array  # i32[B, Tq, slots]: keys with score > t
+  scores: jax.Array  # f32[B, Tq, slots]: their scores
+  tie_indices: jax.Array  # i32[B, Tq, tie_slots]: the first keys with score == t
+  n_above: jax.Array  # i32[B, Tq]: how many visible keys scored > t
+  n_tied: jax.Array  # i32[B, Tq]: how many visible keys scored == t
+  n_visible: jax.Array  # i32[B, Tq]: how many keys the row sees
+
+
+def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, topk, compress_ratio,
+                          scale, slots, config: Config, interpret: bool) -> Candidates:
+  """Runs the main pass.
+
+  Args:
+    q: bf16|f32[B, Tq, H, D] queries, at absolute positions q_offset + t.
+    k: bf16|f32[B, Tk, D] keys, same dtype as q.
+    weights: bf16|f32[B, Tq, H] or None (all ones).
+    threshold: f32[B, Tq], the per-row t.
+    q_offset: i32 scalar (may be traced).
+    segment_ids: None or (q_seg int[B, Tq], kv_seg int[B, Tk]).
+    topk: sizes the tie buffer (next power of two of min(topk, Tk)).
+    compress_ratio, scale: as in `ops.flash_topk`.
+    slots: strict-candidate slots per row (a power of two).
+    config: block sizes and launch parameters.
+    interpret: run in Pallas interpret mode (CPU).
+
+  Returns:
+    `Candidates`.
+  """
+  B, Tq, H, D = q.shape
+  Tk = k.shape[1]
+  heads, dim = next_power_of_two(H), max(16, next_power_of_two(D))
+  if weights is None and heads != H:
+    weights = jnp.ones((B, Tq, H), jnp.float32)  # padded heads need weight 0
+  block_q, block_k = config.block_q(H), config.block_k
+  Tq_pad = -(-Tq // block_q) * block_q
+  Tk_pad = -(-Tk // block_k) * block_k
+  tie_slots = next_power_of_two(min(topk, Tk))
+  q = jnp.pad(q, ((0, 0), (0, Tq_pad - Tq), (0, heads - H), (0, dim - D)))
+  k = jnp.pad(k, ((0, 0), (0, Tk_pad - Tk), (0, dim - D)))
+  threshold = jnp.pad(threshold, ((0, 0), (0, Tq_pad - Tq)), constant_values=jnp.inf)
+  operands = [jnp.asarray(q_offset, jnp.int32).reshape(1), q.reshape(B, Tq_pad * heads, dim), k,
+              threshold]
+  in_specs = [
+      pl.BlockSpec((1,), lambda b, i: (0,)),
+      pl.BlockSpec((None, block_q * heads, dim), lambda b, i: (b, i, 0)),
+      pl.BlockSpec((None, Tk_pad, dim), lambda b, i: (b, 0, 0)),
+      pl.BlockSpec((None, block_q), lambda b, i: (b, i)),
+  ]
+  if weights is not None:
+    weights = jnp.pad(weights, ((0, 0), (0, Tq_pad - Tq), (0, heads - H)))
+    operands.append(weights.reshape(B, Tq_pad * heads, 1))
+    in_specs.append(pl.BlockSpec((None, block_q * heads, 1), lambda b, i: (b, i, 0)))
+  if segment_ids is not None:
+    q_seg, kv_seg = (s.astype(jnp.int32) for s in segment_ids)
+    operands += [jnp.pad(q_seg, ((0, 0), (0, Tq_pad - Tq))), jnp.pad(kv_seg, ((0, 0), (0, Tk_pad - Tk)))]
+    in_specs += [pl.BlockSpec((None, block_q), lambda b, i: (b, i)),
+                 pl.BlockSpec((None, Tk_pad), lambda b, i: (b, 0))]
+  per_row = lambda width: pl.BlockSpec((None, block_q * width), lambda b, i: (b, i))
+  kernel = functools.partial(
+      _candidates_kernel, block_q=block_q, heads=heads, block_k=block_k, num_keys=Tk,
+      compress_ratio=compress_ratio, scale=float(scale), slots=slots, tie_slots=tie_slots,
+      has_weights=weights is not None, has_segments=segment_ids is not None,
+      precise=q.dtype == jnp.float32)
+  outs = pl.pallas_call(
+      kernel,
+      out_shape=(
+          jax.ShapeDtypeStruct((B, Tq_pad * slots), jnp.int32),
+          jax.ShapeDtypeStruct((B, Tq_pad * slots), jnp.float32),
+          jax.ShapeDtypeStruct((B, Tq_pad * tie_slots), jnp.int32),
+          *[jax.ShapeDtypeStruct((B, Tq_pad), jnp.int32)] * 3,
+      ),
+      grid=(B, Tq_pad // block_q),
+      in_specs=in_specs,
+      out_specs=(per_row(slots), per_row(slots), per_row(tie_slots), *[per_row(1)] * 3),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret,
+      name="hyscale_flash_topk_candidates",
+  )(*operands)
+  cand_idx, cand_score, tie_idx, n_gt, n_eq, n_vis = (o[:, : Tq * o.shape[1] // Tq_pad] for o in outs)
+  return Candidates(cand_idx.reshape(B, Tq, slots), cand_score.reshape(B, Tq, slots),
+                    tie_idx.reshape(B, Tq, tie_slots), n_gt, n_eq, n_vis)

@@ -1,0 +1,28 @@
+"""Jaxpr walking for the memory and structure tests: every equation, sub-jaxprs included."""
+
+import numpy as np
+
+
+def _as_jaxpr(value):
+  """The Jaxpr inside a Jaxpr or ClosedJaxpr, else None."""
+  if hasattr(value, "eqns"):
+    return value
+  if hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+    return value.jaxpr
+  return None
+
+
+def equations(jaxpr):
+  """Every equation of `jaxpr` and, recursively, of the jaxprs in its equations' params
+  (jit/closed_call/while/cond bodies, custom_vjp functions, pallas_call kernels)."""
+  for eqn in _as_jaxpr(jaxpr).eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else (param,):
+        if _as_jaxpr(sub) is not None:
+          yield from equations(sub)
+
+
+def largest_intermediate(jaxpr) -> int:
+  """The largest output aval, in elements, over all equations (sub-jaxprs included)."""
+  return max(int(np.prod(getattr(v.aval, "shape", ()))) for e in equations(jaxpr) for v in e.outvars)
