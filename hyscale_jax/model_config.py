@@ -53,6 +53,16 @@ class ModelConfig:
   # IndexShare (GLM-5.2): layer i runs its own indexer iff max(i - offset + 1, 0) % freq == 0.
   index_topk_freq: int = 1
   index_topk_offset: int = 0
+  # DeepSeek-V4 (`deepseek_v4`): shared-KV MQA with sinks over a sliding window plus compressed
+  # entries. `compress_ratios[i]` is layer i's type: 0 = sliding window only (SWA), `csa_ratio` =
+  # CSA (overlapping compressor + indexer top-k), any other ratio = HCA (all visible entries).
+  head_dim: int = 512
+  o_groups: int = 8
+  o_lora_rank: int = 1024
+  sliding_window: int = 128
+  compress_ratios: tuple[int, ...] = ()
+  csa_ratio: int = 4
+  compress_rope_theta: float = 160000.0
   # Numerics and memory.
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -81,6 +91,27 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {_DTYPES}.")
+    if self.architecture == "deepseek_v4":
+      self._check_deepseek_v4()
+
+  def _check_deepseek_v4(self):
+    if len(self.compress_ratios) != self.n_layers:
+      raise ValueError(f"model.compress_ratios has {len(self.compress_ratios)} entries; "
+                       f"deepseek_v4 needs one per layer (n_layers={self.n_layers}).")
+    if any(not isinstance(r, int) or r < 0 for r in self.compress_ratios):
+      raise ValueError(f"model.compress_ratios={self.compress_ratios} must be ints >= 0.")
+    if self.n_heads % self.o_groups:
+      raise ValueError(f"model.n_heads={self.n_heads} must divide into o_groups={self.o_groups}.")
+    if self.qk_rope_dim > self.head_dim or self.index_rope_dim > self.index_head_dim:
+      raise ValueError(f"RoPE dims exceed head dims: {self.qk_rope_dim=} vs {self.head_dim=}, "
+                       f"{self.index_rope_dim=} vs {self.index_head_dim=}.")
+    if self.sliding_window < 1:
+      raise ValueError(f"model.sliding_window={self.sliding_window} must be >= 1.")
+
+  def layer_kind(self, layer: int) -> str:
+    """DeepSeek-V4 layer type: "swa", "csa" or "hca" (from `compress_ratios`)."""
+    ratio = self.compress_ratios[layer]
+    return "swa" if ratio == 0 else "csa" if ratio == self.csa_ratio else "hca"
 
   @classmethod
   def from_config(cls, config: Any) -> "ModelConfig":
@@ -90,6 +121,8 @@ class ModelConfig:
     unknown = sorted(set(values) - known)
     if unknown:
       raise ValueError(f"unknown model config keys {unknown}; known keys: {sorted(known)}.")
+    if "compress_ratios" in values:  # ConfigDicts hold lists; the frozen config holds a tuple
+      values["compress_ratios"] = tuple(values["compress_ratios"])
     return cls(**values)
 
   def has_indexer(self, layer: int) -> bool:

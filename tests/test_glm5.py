@@ -110,7 +110,8 @@ def test_every_layer_runs_alone_under_jit():
   x = jax.random.normal(jax.random.key(3), (B, T, cfg.d_model))
   positions = jnp.broadcast_to(jnp.arange(T), (B, T))
   segment_ids = jnp.zeros((B, T), jnp.int32)
-  decoder = models.glm5.DecoderLayer(cfg, 1, rngs=nnx.Rngs(0))  # a MoE layer with its own indexer
+  rngs = nnx.Rngs(0)  # a MoE layer with its own indexer
+  decoder = models.DecoderLayer(cfg, 1, MLASparseAttention(cfg, has_indexer=True, rngs=rngs), rngs=rngs)
 
   @nnx.jit
   def forward_and_grad(layer, x):

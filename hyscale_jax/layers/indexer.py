@@ -37,6 +37,8 @@ class LightningIndexer(nnx.Module):
       relu(a) - relu(-a) = a.
     hadamard: rotate q and k by the orthonormal Hadamard matrix (leaves scores unchanged in exact
       arithmetic; the reference uses it for FP8).
+    key_compressor: DeepSeek-V4's CSA indexer scores compressed entries: a `Compressor` (which
+      applies its own norm and RoPE) replaces `wk`/`k_norm`, and the keys are [B, T // ratio, DI].
   """
 
   def __init__(
@@ -52,6 +54,7 @@ class LightningIndexer(nnx.Module):
       rope_first: bool = True,
       scoring_relu: bool = True,
       hadamard: bool = False,
+      key_compressor=None,
       rngs: nnx.Rngs,
       dtype: jnp.dtype = jnp.float32,
       param_dtype: jnp.dtype = jnp.float32,
@@ -65,8 +68,10 @@ class LightningIndexer(nnx.Module):
     self.scoring_relu, self.hadamard = scoring_relu, hadamard
     linear = lambda i, o, **kw: nnx.Linear(i, o, use_bias=False, rngs=rngs, **kw)
     self.wq_b = linear(q_lora_rank, num_heads * head_dim, dtype=dtype, param_dtype=param_dtype)
-    self.wk = linear(d_model, head_dim, dtype=dtype, param_dtype=param_dtype)
-    self.k_norm = nnx.LayerNorm(head_dim, epsilon=1e-6, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    if key_compressor is None:
+      self.wk = linear(d_model, head_dim, dtype=dtype, param_dtype=param_dtype)
+      self.k_norm = nnx.LayerNorm(head_dim, epsilon=1e-6, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.compressor = key_compressor
     self.weights_proj = linear(d_model, num_heads, dtype=jnp.float32, param_dtype=jnp.float32)
 
   @property
@@ -87,22 +92,30 @@ class LightningIndexer(nnx.Module):
       x: Float[Array, "B T D"],
       q_latent: Float[Array, "B T L"],
       positions: Int[Array, "B T"] | None = None,
-  ) -> tuple[Float[Array, "B T HI DI"], Float[Array, "B T DI"], Float[Array, "B T HI"]]:
-    """Returns (q [B, T, HI, DI], k [B, T, DI], weights f32[B, T, HI]) from detached inputs.
+      segment_ids: Int[Array, "B T"] | None = None,
+  ) -> tuple[Float[Array, "B T HI DI"], Float[Array, "B S DI"], Float[Array, "B T HI"]]:
+    """Returns (q [B, T, HI, DI], k [B, S, DI], weights f32[B, T, HI]) from detached inputs.
 
-    With `scoring_relu=False`, HI is 2 (see the class docstring).
+    S is T, or T // ratio with a key compressor. With `scoring_relu=False`, HI is 2 (see the class
+    docstring).
 
     Args:
       x: [B, T, D] the attention block's input (after the pre-attention norm).
       q_latent: [B, T, L] the normalised query latent c^Q (or x itself without a q low-rank path).
       positions: i32[B, T] token positions for RoPE (default 0..T-1).
+      segment_ids: i32[B, T] packed-document ids, for the key compressor (default one document).
     """
     x, q_latent = jax.lax.stop_gradient((x, q_latent))
     B, T, _ = x.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     q = self._rope(self.wq_b(q_latent).reshape(B, T, self.num_heads, self.head_dim), positions)
-    k = self._rope(self.k_norm(self.wk(x)), positions)  # [B, T, DI]
+    if self.compressor is None:
+      k = self._rope(self.k_norm(self.wk(x)), positions)  # [B, T, DI]
+    else:
+      if segment_ids is None:
+        segment_ids = jnp.zeros((B, T), jnp.int32)
+      k = self.compressor(x, positions, segment_ids)[0]  # [B, T // ratio, DI]
     if self.hadamard:
       rotation = jnp.asarray(hadamard_matrix(self.head_dim), q.dtype)
       q, k = q @ rotation, k @ rotation

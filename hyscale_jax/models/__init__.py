@@ -7,9 +7,11 @@ import numpy as np
 from flax import nnx
 
 from hyscale_jax.model_config import ModelConfig
-from hyscale_jax.models.glm5 import GlmMoeDsa, ModelOutput
+from hyscale_jax.models.decoder import Decoder, DecoderLayer, ModelOutput
+from hyscale_jax.models.deepseek_v4 import DeepseekV4
+from hyscale_jax.models.glm5 import GlmMoeDsa
 
-ARCHITECTURES = {"glm_moe_dsa": GlmMoeDsa}
+ARCHITECTURES = {"glm_moe_dsa": GlmMoeDsa, "deepseek_v4": DeepseekV4}
 
 
 def build(config, *, rngs: nnx.Rngs) -> nnx.Module:
@@ -38,4 +40,5 @@ def count_params(config) -> tuple[int, int]:
   return total, active
 
 
-__all__ = ["ARCHITECTURES", "GlmMoeDsa", "ModelConfig", "ModelOutput", "build", "count_params"]
+__all__ = ["ARCHITECTURES", "Decoder", "DecoderLayer", "DeepseekV4", "GlmMoeDsa", "ModelConfig",
+           "ModelOutput", "build", "count_params"]

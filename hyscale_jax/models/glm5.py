@@ -2,117 +2,15 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import jax
-import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
 
-from hyscale_jax import remat
 from hyscale_jax.layers.mla import MLASparseAttention
-from hyscale_jax.layers.mlp import MLP
-from hyscale_jax.layers.moe import MoE
 from hyscale_jax.model_config import ModelConfig
+from hyscale_jax.models.decoder import Decoder
 
 
-class ModelOutput(NamedTuple):
-  """`logits` f32[B, T, V] and `aux`: `indexer_loss` (mean over indexer layers) and `expert_load`."""
+class GlmMoeDsa(Decoder):
+  """The GLM-5.1 language model: MLA in absorbed form with the DSA indexer (IndexShare-aware)."""
 
-  logits: jax.Array
-  aux: dict
-
-
-class DecoderLayer(nnx.Module):
-  """Pre-norm block: RMSNorm -> MLA/DSA attention -> residual -> RMSNorm -> MLP or MoE -> residual."""
-
-  def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-    dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-    norm = lambda: nnx.RMSNorm(cfg.d_model, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype)
-    self.input_layernorm = norm()
-    self.self_attn = MLASparseAttention(cfg, has_indexer=cfg.has_indexer(layer), rngs=rngs)
-    self.post_attention_layernorm = norm()
-    if cfg.is_moe(layer):
-      self.mlp = MoE(cfg.d_model, cfg.moe_inter, cfg.n_routed_experts, cfg.experts_per_token,
-                     cfg.n_shared_experts, scoring=cfg.scoring, routed_scaling=cfg.routed_scaling,
-                     norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                     rngs=rngs, dtype=dtype, param_dtype=pdtype)
-    else:
-      self.mlp = MLP(cfg.d_model, cfg.dense_inter, rngs=rngs, dtype=dtype, param_dtype=pdtype)
-
-  def __call__(self, x, positions, segment_ids, *, dense=False, shared_indices=None, backends=None):
-    """x [B, T, D] -> (x [B, T, D], indices or None, indexer_loss or None, expert_load f32[E] or None)."""
-    attn = self.self_attn(self.input_layernorm(x), positions, segment_ids, dense=dense,
-                          shared_indices=shared_indices, backends=backends)
-    x = x + attn.out
-    ffn = self.mlp(self.post_attention_layernorm(x))
-    ffn, load = ffn if isinstance(ffn, tuple) else (ffn, None)
-    return x + ffn, attn.indices, attn.indexer_loss, load
-
-
-class GlmMoeDsa(nnx.Module):
-  """The GLM-5.1 language model. Module paths follow the HF checkpoint keys."""
-
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self.cfg = cfg
-    pdtype = jnp.dtype(cfg.param_dtype)
-    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs, param_dtype=pdtype,
-                                  dtype=jnp.dtype(cfg.dtype))
-    self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.n_layers)])
-    self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.rms_eps, rngs=rngs, param_dtype=pdtype)
-    self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
-        cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs, param_dtype=pdtype)
-
-  def __call__(
-      self,
-      tokens: Int[Array, "B T"],
-      *,
-      positions: Int[Array, "B T"] | None = None,
-      segment_ids: Int[Array, "B T"] | None = None,
-      dense: bool = False,
-      backends=None,
-  ) -> ModelOutput:
-    """Logits for int32 tokens [B, T]; `dense=True` is the warm-up stage (no sparsification).
-
-    Args:
-      tokens: i32[B, T] token ids.
-      positions: i32[B, T] positions within each packed document (default 0..T-1).
-      segment_ids: i32[B, T] packed-document ids (default one document per row).
-      dense: dense attention and dense indexer KL instead of selection + sparse attention.
-      backends: per-op backend names (`config.ops`); None means "auto" everywhere.
-
-    Returns:
-      ModelOutput(logits f32[B, T, V], aux={"indexer_loss": f32[], "expert_load": f32[n_moe, E]}).
-    """
-    B, T = tokens.shape
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    if segment_ids is None:
-      segment_ids = jnp.zeros((B, T), jnp.int32)
-    x = self.embed_tokens(tokens)
-    policy = self.cfg.remat_policy
-    indices, indexer_losses, loads = None, [], []
-    def run_layer(graphdef, state, x, positions, segment_ids, shared_indices):
-      layer = nnx.merge(graphdef, state)  # a pure function of the layer's state, for jax.checkpoint
-      return layer(x, positions, segment_ids, dense=dense, shared_indices=shared_indices, backends=backends)
-
-    if policy != "none":
-      run_layer = jax.checkpoint(run_layer, policy=remat.checkpoint_policy(policy), static_argnums=0)
-    for layer in self.layers:
-      graphdef, state = nnx.split(layer)
-      x, layer_indices, indexer_loss, load = run_layer(graphdef, state, x, positions, segment_ids, indices)
-      if layer.self_attn.indexer is not None:
-        indices = layer_indices
-        indexer_losses.append(indexer_loss)
-      if load is not None:
-        loads.append(load)
-    x = self.norm(x)
-    if self.lm_head is None:
-      logits = self.embed_tokens.attend(x.astype(jnp.float32))
-    else:
-      logits = self.lm_head(x)
-    aux = {"indexer_loss": jnp.mean(jnp.stack(indexer_losses)) if indexer_losses else jnp.float32(0)}
-    if loads:
-      aux["expert_load"] = jnp.stack(loads)
-    return ModelOutput(logits.astype(jnp.float32), aux)
-
+  def make_attention(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
+    return MLASparseAttention(cfg, has_indexer=cfg.has_indexer(layer), rngs=rngs)

@@ -1,0 +1,60 @@
+"""DeepSeek-V4-Flash (`deepseek_v4`): SWA / CSA / HCA attention and MoE. Variants `full` and `tiny`.
+
+Usage: python train.py --config=configs/deepseek_v4_flash.py:tiny --workdir=DIR [--config.train.steps=N]
+"""
+
+import dataclasses
+
+import ml_collections
+
+from configs import base
+from hyscale_jax.model_config import ModelConfig
+
+# The published V4-Flash config (architectures.md §3.5): 2 SWA layers, then CSA (even) / HCA (odd).
+_FULL = dict(
+    architecture="deepseek_v4", vocab_size=129280, d_model=4096, n_layers=43, first_k_dense=0,
+    rms_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0,
+    n_heads=64, head_dim=512, qk_rope_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
+    sliding_window=128, compress_ratios=(0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 43)),
+    csa_ratio=4, index_n_heads=64, index_head_dim=128, index_topk=512, index_rope_dim=64,
+    n_routed_experts=256, experts_per_token=6, n_shared_experts=1, moe_inter=2048,
+    scoring="sqrtsoftplus", routed_scaling=1.5, norm_topk_prob=True,
+)
+# architectures.md's tiny V4 test config at T=256: 64 CSA entries (top 32) and 16 HCA entries.
+_TINY = dict(
+    vocab_size=2048, d_model=256, n_layers=4, n_heads=4, head_dim=64, qk_rope_dim=16, q_lora_rank=64,
+    o_groups=2, o_lora_rank=64, sliding_window=32, compress_ratios=(0, 4, 16, 4),
+    index_n_heads=4, index_head_dim=32, index_topk=32, index_rope_dim=16,
+    n_routed_experts=8, experts_per_token=2, moe_inter=96,
+)
+
+
+def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
+  if variant not in ("tiny", "full"):
+    raise ValueError(f"configs/deepseek_v4_flash.py: unknown variant {variant!r}; use 'tiny' or 'full'.")
+  config = base.get_config()
+  config.task = "lm"
+  model = dataclasses.asdict(ModelConfig(**_FULL))
+  if variant == "tiny":
+    model.update(_TINY)
+  model["compress_ratios"] = list(model["compress_ratios"])
+  config.model = ml_collections.ConfigDict(model)
+
+  config.data.source = "shakespeare"
+  config.data.vocab_size = config.model.vocab_size
+  config.data.seq_len = 256 if variant == "tiny" else 65536
+  config.data.batch_size = 8 if variant == "tiny" else 1
+  config.data.cache_dir = ""
+
+  config.optim.indexer_loss_coeff = 1.0
+  config.optim.indexer_learning_rate = 1e-3
+  config.optim.learning_rate = 3e-3 if variant == "tiny" else 2.2e-4
+  config.optim.weight_decay = 0.01
+  config.optim.router_bias_rate = 1e-3
+
+  config.train.steps = 200 if variant == "tiny" else 16000
+  # Indexer warm-up: dense KL with CSA over every visible entry, only the indexer learns (§3.6).
+  config.train.warmup_steps = 40 if variant == "tiny" else 1000
+  config.train.log_every = 10
+  config.train.checkpoint_every = 50
+  return config

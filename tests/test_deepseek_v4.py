@@ -1,0 +1,205 @@
+"""DeepSeek-V4: compressors, SWA/CSA/HCA attention against a float64 oracle, the invariants of
+architectures.md §3.6, selection replay, parameter counts, and two-stage training with resume."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import deepseek_v4_flash
+from hyscale_jax import models, remat
+from hyscale_jax.layers.compressed_attention import CompressedSparseAttention, window_indices
+from hyscale_jax.layers.compressor import Compressor, rope_tail
+from hyscale_jax.model_config import ModelConfig
+from hyscale_jax.training import lm
+
+_SMALL = ModelConfig(
+    architecture="deepseek_v4", vocab_size=64, d_model=32, n_layers=4, first_k_dense=0, n_heads=4,
+    head_dim=16, qk_rope_dim=4, q_lora_rank=16, o_groups=2, o_lora_rank=8, sliding_window=6,
+    compress_ratios=(0, 4, 8, 4), index_n_heads=2, index_head_dim=16, index_rope_dim=4, index_topk=3,
+    n_routed_experts=4, experts_per_token=2, n_shared_experts=1, moe_inter=16, scoring="sqrtsoftplus",
+    routed_scaling=1.5, rms_eps=1e-6, rope_theta=10000.0, compress_rope_theta=40000.0)
+B, T = 2, 32
+
+
+def _x(seed=0, shape=(B, T, _SMALL.d_model)):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _positions(offset=0):
+  return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + offset, (B, T))
+
+
+def _layer(kind, ratio, cfg=_SMALL, seed=0):
+  return CompressedSparseAttention(cfg, kind, ratio, rngs=nnx.Rngs(seed))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_compressed_entries_are_causal(overlap):
+  m = 4
+  comp = Compressor(_SMALL.d_model, 8, m, overlap=overlap, rope_dim=4, rope_theta=1e4, rngs=nnx.Rngs(1))
+  comp.position_bias[...] = jax.random.normal(jax.random.key(5), comp.position_bias.shape)
+  seg = jnp.zeros((B, T), jnp.int32)
+  base, _ = comp(_x(), _positions(), seg)
+  assert base.shape == (B, T // m, 8)
+  for p in (5, 13, 31):
+    x = _x().at[:, p].add(3.0)
+    got, _ = comp(x, _positions(), seg)
+    changed = np.abs(np.asarray(got - base)).max(axis=(0, 2)) > 1e-6
+    w = np.arange(T // m)
+    # entry w may depend only on tokens < (w + 1) * m; the entry holding p must see it
+    assert not changed[(w + 1) * m <= p].any(), (p, changed)
+    assert changed[p // m]
+    if overlap and p // m + 1 < T // m:
+      assert changed[p // m + 1]  # the next entry's overlap slots cover window p // m too
+
+
+def test_compressor_ignores_other_documents():
+  comp = Compressor(_SMALL.d_model, 8, 4, overlap=True, rope_dim=4, rope_theta=1e4, rngs=nnx.Rngs(2))
+  seg = jnp.broadcast_to((jnp.arange(T) >= 10).astype(jnp.int32), (B, T))  # a document starts at 10
+  base, entry_seg = comp(_x(), _positions(), seg)
+  assert (np.asarray(entry_seg[0]) == (np.arange(T // 4) * 4 + 3 >= 10)).all()
+  # Tokens 8, 9 end document 0 inside window 2, whose entry belongs to document 1: no entry uses them.
+  got, _ = comp(_x().at[:, 8:10].add(5.0), _positions(), seg)
+  np.testing.assert_allclose(got, base, atol=1e-6)
+  got, _ = comp(_x().at[:, 10].add(5.0), _positions(), seg)  # document 1's first token: entries 2, 3
+  changed = np.abs(np.asarray(got - base)).max(axis=(0, 2)) > 1e-5
+  assert changed.tolist() == [False, False, True, True] + [False] * (T // 4 - 4)
+
+
+def _oracle_core(q, keys, visible, scale, sink):
+  """float64 softmax attention with a sink in the denominator: q [B,T,H,D], keys [B,S,D], visible [B,T,S]."""
+  q, keys = np.asarray(q, np.float64), np.asarray(keys, np.float64)
+  logits = np.einsum("bthd,bsd->bths", q, keys) * scale
+  logits = np.where(visible[:, :, None, :], logits, -np.inf)
+  top = np.maximum(logits.max(-1, keepdims=True), np.asarray(sink, np.float64)[None, None, :, None])
+  p = np.exp(logits - top)
+  denom = p.sum(-1, keepdims=True) + np.exp(np.asarray(sink, np.float64)[None, None, :, None] - top)
+  return np.einsum("bths,bsd->bthd", p / denom, keys)
+
+
+@pytest.mark.parametrize("kind, ratio", [("swa", 0), ("hca", 8), ("csa", 4)])
+@pytest.mark.parametrize("sink", [-np.inf, 0.7])
+def test_attention_matches_float64_oracle(kind, ratio, sink):
+  layer = _layer(kind, ratio)
+  layer.attn_sink[...] = jnp.full((_SMALL.n_heads,), sink, jnp.float32)
+  seg = jnp.broadcast_to((jnp.arange(T) >= 19).astype(jnp.int32), (B, T))
+  positions = jnp.where(seg == 0, jnp.arange(T), jnp.arange(T) - 19).astype(jnp.int32)
+  x = _x(3)
+  out = layer(x, positions, seg, dense=True).out  # CSA in the warm-up form: every visible entry
+  _, q, kv = layer.queries_and_kv(x, positions)
+  t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+  segn = np.asarray(seg)
+  visible = ((s <= t) & (s > t - _SMALL.sliding_window))[None] & (segn[:, :, None] == segn[:, None, :])
+  keys = np.asarray(kv)
+  if ratio:
+    entries, entry_seg = layer.compressor(x, positions, seg)
+    w = np.arange(T // ratio)[None, :]
+    vis_c = ((w + 1) * ratio <= t + 1)[None] & (np.asarray(entry_seg)[:, None, :] == segn[:, :, None])
+    visible = np.concatenate([visible, vis_c], axis=-1)
+    keys = np.concatenate([keys, np.asarray(entries)], axis=1)
+  core = _oracle_core(q, keys, visible, layer.scale, np.full(_SMALL.n_heads, sink))
+  core = rope_tail(jnp.asarray(core, jnp.float32), -positions, rope_dim=_SMALL.qk_rope_dim,
+                   theta=layer.theta)
+  low = jnp.einsum("btgi,gio->btgo", core.reshape(B, T, _SMALL.o_groups, -1), layer.wo_a[...])
+  want = layer.wo_b(low.reshape(B, T, -1))
+  np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-5)
+
+
+def test_csa_with_topk_covering_every_entry_equals_dense_over_entries():
+  cfg = dataclasses.replace(_SMALL, index_topk=T // 4)
+  layer = _layer("csa", 4, cfg)
+  seg = jnp.zeros((B, T), jnp.int32)
+  sparse = layer(_x(4), _positions(), seg)
+  dense = layer(_x(4), _positions(), seg, dense=True)
+  assert sparse.indices.shape == (B, T, T // 4)
+  np.testing.assert_allclose(sparse.out, dense.out, rtol=1e-5, atol=1e-6)
+  assert np.isfinite(float(sparse.indexer_loss)) and np.isfinite(float(dense.indexer_loss))
+
+
+def test_selected_indices_are_causal_and_the_window_is_always_present():
+  layer = _layer("csa", 4)
+  seg = jnp.zeros((B, T), jnp.int32)
+  out = layer(_x(5), _positions(), seg)
+  sel = np.asarray(out.indices)
+  t = np.arange(T)[None, :, None]
+  assert ((sel == -1) | ((sel + 1) * 4 <= t + 1)).all()
+  n_visible = np.minimum((np.arange(T) + 1) // 4, _SMALL.index_topk)
+  assert ((sel >= 0).sum(-1) == n_visible[None]).all()
+  window = np.asarray(window_indices(seg, _SMALL.sliding_window))
+  assert ((window == -1) | (window <= t)).all() and (window[:, :, -1] == np.arange(T)).all()
+
+
+@pytest.mark.parametrize("kind, ratio", [("swa", 0), ("hca", 8)])
+def test_derotation_makes_the_output_depend_on_relative_positions_only(kind, ratio):
+  layer = _layer(kind, ratio)
+  seg = jnp.zeros((B, T), jnp.int32)
+  a = layer(_x(6), _positions(), seg).out
+  b = layer(_x(6), _positions(offset=37), seg).out
+  np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _losses(model, tokens, dense=False):
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def total(params):
+    out = nnx.merge(graphdef, params, rest)(tokens, dense=dense)
+    logp = jax.nn.log_softmax(out.logits[:, :-1])
+    return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean() + out.aux["indexer_loss"]
+
+  return params, total
+
+
+@pytest.mark.parametrize("policy, per_csa_layer", [("selection_replay", 1), ("full", 2)])
+def test_one_selection_per_csa_layer_under_selection_replay(policy, per_csa_layer):
+  model = models.build(dataclasses.replace(_SMALL, remat_policy=policy), rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(0), (B, T), 0, _SMALL.vocab_size)
+  params, total = _losses(model, tokens)
+  jaxpr = jax.make_jaxpr(jax.grad(total))(params)
+  assert remat.count_named_equations(jaxpr, "flash_topk") == per_csa_layer * 2  # two CSA layers
+  grads = jax.grad(total)(params)
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+def test_full_config_parameter_counts_and_layer_pattern():
+  cfg = ModelConfig.from_config(deepseek_v4_flash.get_config("full").model)
+  kinds = [cfg.layer_kind(i) for i in range(cfg.n_layers)]
+  assert kinds[:2] == ["swa", "swa"] and kinds.count("csa") == 21 and kinds.count("hca") == 20
+  total, active = models.count_params(cfg)
+  # Published: 284B total / 13B active. Measured: 284.3B / 13.77B (active includes the 0.53B
+  # embedding and 0.53B LM head; mHC and MTP weights are not built).
+  assert abs(total - 284e9) / 284e9 < 0.02, total
+  assert abs(active - 13e9) / 13e9 < 0.07, active
+
+
+def test_config_rejects_a_wrong_layer_pattern():
+  with pytest.raises(ValueError, match="compress_ratios"):
+    dataclasses.replace(_SMALL, compress_ratios=(0, 4))
+  with pytest.raises(ValueError, match="o_groups"):
+    dataclasses.replace(_SMALL, o_groups=3)
+
+
+def test_trains_both_stages_and_resumes(tmp_path):
+  def config(steps):
+    c = deepseek_v4_flash.get_config("tiny")
+    small = {f: getattr(_SMALL, f) for f in ("d_model", "n_heads", "head_dim", "qk_rope_dim", "q_lora_rank",
+                                              "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim",
+                                              "index_rope_dim", "index_topk", "n_routed_experts", "moe_inter")}
+    c.model.update(small, vocab_size=512, compress_ratios=[0, 4, 8, 4])
+    c.data.update(source="pydoc", vocab_size=512, seq_len=64, batch_size=2, cache_dir=str(tmp_path / "data"))
+    c.train.update(steps=steps, warmup_steps=2, log_every=2, checkpoint_every=3, progress_bar=False)
+    return c
+
+  workdir = tmp_path / "run"
+  lm.train_and_evaluate(config(6), str(workdir))
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["stage"] for r in rows] == [lm.DENSE_STAGE, lm.SPARSE_STAGE, lm.SPARSE_STAGE]
+  assert all(np.isfinite(r["lm_loss"]) and r["indexer_loss"] >= 0 for r in rows)
+  assert rows[0]["lr"] == 0.0 and rows[0]["indexer_lr"] > 0
+  lm.train_and_evaluate(config(8), str(workdir))  # resumes from step 6
+  steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert steps == [2, 4, 6, 8]
