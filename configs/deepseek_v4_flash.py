@@ -32,29 +32,8 @@ _TINY = dict(
 def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
   if variant not in ("tiny", "full"):
     raise ValueError(f"configs/deepseek_v4_flash.py: unknown variant {variant!r}; use 'tiny' or 'full'.")
-  config = base.get_config()
-  config.task = "lm"
   model = dataclasses.asdict(ModelConfig(**_FULL))
   if variant == "tiny":
     model.update(_TINY)
   model["compress_ratios"] = list(model["compress_ratios"])
-  config.model = ml_collections.ConfigDict(model)
-
-  config.data.source = "shakespeare"
-  config.data.vocab_size = config.model.vocab_size
-  config.data.seq_len = 256 if variant == "tiny" else 65536
-  config.data.batch_size = 8 if variant == "tiny" else 1
-  config.data.cache_dir = ""
-
-  config.optim.indexer_loss_coeff = 1.0
-  config.optim.indexer_learning_rate = 1e-3
-  config.optim.learning_rate = 3e-3 if variant == "tiny" else 2.2e-4
-  config.optim.weight_decay = 0.01
-  config.optim.router_bias_rate = 1e-3
-
-  config.train.steps = 200 if variant == "tiny" else 16000
-  # Indexer warm-up: dense KL with CSA over every visible entry, only the indexer learns (§3.6).
-  config.train.warmup_steps = 40 if variant == "tiny" else 1000
-  config.train.log_every = 10
-  config.train.checkpoint_every = 50
-  return config
+  return base.two_stage_lm(model, variant, full_seq_len=65536, full_learning_rate=2.2e-4)

@@ -21,30 +21,7 @@ _TINY = dict(
 def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
   if variant not in ("tiny", "full"):
     raise ValueError(f"configs/glm5_1.py: unknown variant {variant!r}; use 'tiny' or 'full'.")
-  config = base.get_config()
-  config.task = "lm"
   model = dataclasses.asdict(ModelConfig())  # the published architecture (HF GlmMoeDsaConfig)
   if variant == "tiny":
     model.update(_TINY)
-  config.model = ml_collections.ConfigDict(model)
-
-  config.data.source = "shakespeare"
-  config.data.vocab_size = config.model.vocab_size
-  config.data.seq_len = 256 if variant == "tiny" else 131072
-  config.data.batch_size = 8 if variant == "tiny" else 1
-  config.data.cache_dir = ""
-
-  # Indexer KL coefficient in the sparse stage, and the indexer's own learning rate.
-  config.optim.indexer_loss_coeff = 1.0
-  config.optim.indexer_learning_rate = 1e-3
-  config.optim.learning_rate = 3e-3 if variant == "tiny" else 7.3e-6
-  config.optim.weight_decay = 0.01
-  # Auxiliary-loss-free MoE balancing: router bias step per optimizer step.
-  config.optim.router_bias_rate = 1e-3
-
-  config.train.steps = 200 if variant == "tiny" else 16000
-  # Dense warm-up: indexer only, dense KL, attention not sparsified (architectures.md 1.6).
-  config.train.warmup_steps = 40 if variant == "tiny" else 1000
-  config.train.log_every = 10
-  config.train.checkpoint_every = 50
-  return config
+  return base.two_stage_lm(model, variant, full_seq_len=131072, full_learning_rate=7.3e-6)

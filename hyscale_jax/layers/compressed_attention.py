@@ -110,15 +110,10 @@ class CompressedSparseAttention(nnx.Module):
       shared_indices=None,
       backends=None,
   ) -> AttentionOutput:
-    """Attention over the window plus compressed entries.
+    """Attention over the window plus compressed entries; arguments as `MLASparseAttention`'s.
 
-    Args:
-      x: [B, T, D] the normalised block input.
-      positions: i32[B, T] positions within each packed document.
-      segment_ids: i32[B, T] packed-document ids.
-      dense: the warm-up stage: CSA attends every visible entry and its indexer KL is dense.
-      shared_indices: unused (V4 has no IndexShare); accepted for the shared decoder loop.
-      backends: an object with `flash_topk`, `sparse_attention`, `indexer_loss` backend names.
+    `dense` is the warm-up stage: CSA attends every visible entry and its indexer KL is dense.
+    `shared_indices` is unused (V4 has no IndexShare); the shared decoder loop passes it.
 
     Returns:
       AttentionOutput(out [B, T, D], CSA's selection i32[B, T, index_topk] into the compressed
