@@ -1,6 +1,10 @@
 """Defaults shared by every experiment; model files override only what differs."""
 
+import dataclasses
+
 import ml_collections
+
+from hyscale_jax.model_config import ModelConfig
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -53,35 +57,46 @@ def get_config() -> ml_collections.ConfigDict:
   return config
 
 
-def two_stage_lm(model: dict, variant: str, *, full_seq_len: int, full_learning_rate: float
-                 ) -> ml_collections.ConfigDict:
+def two_stage_lm(name: str, variant: str, full: dict, tiny: dict, *, full_seq_len: int,
+                 full_learning_rate: float) -> ml_collections.ConfigDict:
   """The sparse-attention LM recipe on packed Shakespeare: a dense indexer warm-up, then sparse.
 
-  `model` is the variant's model fields; `tiny` runs on a CPU in minutes, `full` is the
-  published architecture at `full_seq_len` tokens per sequence.
+  Args:
+    name: the config file's name, for errors.
+    variant: "full" (the published architecture `full`, over `ModelConfig`'s defaults, at
+      `full_seq_len` tokens per sequence) or "tiny" (`full` updated with `tiny`; trains on a CPU
+      in minutes).
+    full, tiny: model fields.
+    full_seq_len, full_learning_rate: the full variant's sequence length and peak learning rate.
   """
-  tiny = variant == "tiny"
+  if variant not in ("tiny", "full"):
+    raise ValueError(f"configs/{name}.py: unknown variant {variant!r}; use 'tiny' or 'full'.")
+  is_tiny = variant == "tiny"
+  model = dataclasses.asdict(ModelConfig(**full))
+  if is_tiny:
+    model.update(tiny)
   config = get_config()
   config.task = "lm"
-  config.model = ml_collections.ConfigDict(model)
+  config.model = ml_collections.ConfigDict(
+      {k: list(v) if isinstance(v, tuple) else v for k, v in model.items()})
 
   config.data.source = "shakespeare"
   config.data.vocab_size = config.model.vocab_size
-  config.data.seq_len = 256 if tiny else full_seq_len
-  config.data.batch_size = 8 if tiny else 1
+  config.data.seq_len = 256 if is_tiny else full_seq_len
+  config.data.batch_size = 8 if is_tiny else 1
   config.data.cache_dir = ""
 
   # Indexer KL coefficient in the sparse stage, and the indexer's own learning rate.
   config.optim.indexer_loss_coeff = 1.0
   config.optim.indexer_learning_rate = 1e-3
-  config.optim.learning_rate = 3e-3 if tiny else full_learning_rate
+  config.optim.learning_rate = 3e-3 if is_tiny else full_learning_rate
   config.optim.weight_decay = 0.01
   # Auxiliary-loss-free MoE balancing: router bias step per optimizer step.
   config.optim.router_bias_rate = 1e-3
 
-  config.train.steps = 200 if tiny else 16000
+  config.train.steps = 200 if is_tiny else 16000
   # Dense warm-up: indexer only, dense KL, attention not sparsified (architectures.md 1.6, 3.6).
-  config.train.warmup_steps = 40 if tiny else 1000
+  config.train.warmup_steps = 40 if is_tiny else 1000
   config.train.log_every = 10
   config.train.checkpoint_every = 50
   return config

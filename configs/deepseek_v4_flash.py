@@ -3,12 +3,9 @@
 Usage: python train.py --config=configs/deepseek_v4_flash.py:tiny --workdir=DIR [--config.train.steps=N]
 """
 
-import dataclasses
-
 import ml_collections
 
 from configs import base
-from hyscale_jax.model_config import ModelConfig
 
 # The published V4-Flash config (architectures.md §3.5): 2 SWA layers, then CSA (even) / HCA (odd).
 _FULL = dict(
@@ -30,10 +27,4 @@ _TINY = dict(
 
 
 def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
-  if variant not in ("tiny", "full"):
-    raise ValueError(f"configs/deepseek_v4_flash.py: unknown variant {variant!r}; use 'tiny' or 'full'.")
-  model = dataclasses.asdict(ModelConfig(**_FULL))
-  if variant == "tiny":
-    model.update(_TINY)
-  model["compress_ratios"] = list(model["compress_ratios"])
-  return base.two_stage_lm(model, variant, full_seq_len=65536, full_learning_rate=2.2e-4)
+  return base.two_stage_lm("deepseek_v4_flash", variant, _FULL, _TINY, full_seq_len=65536, full_learning_rate=2.2e-4)

@@ -3,12 +3,9 @@
 Usage: python train.py --config=configs/glm5_1.py:tiny --workdir=DIR [--config.train.steps=N]
 """
 
-import dataclasses
-
 import ml_collections
 
 from configs import base
-from hyscale_jax.model_config import ModelConfig
 
 _TINY = dict(
     vocab_size=2048, d_model=128, n_layers=4, first_k_dense=1, dense_inter=256,
@@ -19,9 +16,4 @@ _TINY = dict(
 
 
 def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
-  if variant not in ("tiny", "full"):
-    raise ValueError(f"configs/glm5_1.py: unknown variant {variant!r}; use 'tiny' or 'full'.")
-  model = dataclasses.asdict(ModelConfig())  # the published architecture (HF GlmMoeDsaConfig)
-  if variant == "tiny":
-    model.update(_TINY)
-  return base.two_stage_lm(model, variant, full_seq_len=131072, full_learning_rate=7.3e-6)
+  return base.two_stage_lm("glm5_1", variant, {}, _TINY, full_seq_len=131072, full_learning_rate=7.3e-6)

@@ -63,6 +63,14 @@ class ModelConfig:
   compress_ratios: tuple[int, ...] = ()
   csa_ratio: int = 4
   compress_rope_theta: float = 160000.0
+  # Qwen3.8-Flash-Next (`qwen4_exp`): gated GQA with the QSA block indexer on "qsa" layers.
+  # `layer_types[i]` is "qsa" or "gated_deltanet" (not implemented); head_dim and qk_rope_dim
+  # (the partial RoPE width) are shared with the fields above.
+  n_kv_heads: int = 2
+  layer_types: tuple[str, ...] = ()
+  qsa_block: int = 4
+  indexer_pool: str = "sum"
+  indexer_frozen: bool = False
   # Numerics and memory.
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -93,6 +101,22 @@ class ModelConfig:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {_DTYPES}.")
     if self.architecture == "deepseek_v4":
       self._check_deepseek_v4()
+    if self.architecture == "qwen4_exp":
+      self._check_qwen4_exp()
+
+  def _check_qwen4_exp(self):
+    if len(self.layer_types) != self.n_layers:
+      raise ValueError(f"model.layer_types has {len(self.layer_types)} entries; qwen4_exp needs one "
+                       f"per layer (n_layers={self.n_layers}).")
+    bad = sorted(set(self.layer_types) - {"qsa", "gated_deltanet"})
+    if bad:
+      raise ValueError(f"model.layer_types has unknown types {bad}; use 'qsa' or 'gated_deltanet'.")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"model.n_heads={self.n_heads} must divide into n_kv_heads={self.n_kv_heads}.")
+    if self.indexer_pool not in ("sum", "max"):
+      raise ValueError(f"model.indexer_pool={self.indexer_pool!r} is not 'sum' or 'max'.")
+    if self.qsa_block < 1 or self.qk_rope_dim > self.head_dim:
+      raise ValueError(f"model.qsa_block={self.qsa_block} must be >= 1 and qk_rope_dim <= head_dim.")
 
   def _check_deepseek_v4(self):
     if len(self.compress_ratios) != self.n_layers:
@@ -121,8 +145,9 @@ class ModelConfig:
     unknown = sorted(set(values) - known)
     if unknown:
       raise ValueError(f"unknown model config keys {unknown}; known keys: {sorted(known)}.")
-    if "compress_ratios" in values:  # ConfigDicts hold lists; the frozen config holds a tuple
-      values["compress_ratios"] = tuple(values["compress_ratios"])
+    for name in ("compress_ratios", "layer_types"):  # ConfigDicts hold lists; the config, tuples
+      if name in values:
+        values[name] = tuple(values[name])
     return cls(**values)
 
   def has_indexer(self, layer: int) -> bool:

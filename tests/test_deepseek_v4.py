@@ -2,7 +2,6 @@
 architectures.md §3.6, selection replay, parameter counts, and two-stage training with resume."""
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,11 @@ from hyscale_jax import models, remat
 from hyscale_jax.layers.compressed_attention import CompressedSparseAttention, window_indices
 from hyscale_jax.layers.compressor import Compressor, rope_tail
 from hyscale_jax.model_config import ModelConfig
-from hyscale_jax.training import lm
+
+try:
+  from tests.lm_runs import assert_trains_both_stages_and_resumes, small_lm_config
+except ImportError:  # tests/ itself is on sys.path
+  from lm_runs import assert_trains_both_stages_and_resumes, small_lm_config
 
 _SMALL = ModelConfig(
     architecture="deepseek_v4", vocab_size=64, d_model=32, n_layers=4, first_k_dense=0, n_heads=4,
@@ -184,22 +187,5 @@ def test_config_rejects_a_wrong_layer_pattern():
 
 
 def test_trains_both_stages_and_resumes(tmp_path):
-  def config(steps):
-    c = deepseek_v4_flash.get_config("tiny")
-    small = {f: getattr(_SMALL, f) for f in ("d_model", "n_heads", "head_dim", "qk_rope_dim", "q_lora_rank",
-                                              "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim",
-                                              "index_rope_dim", "index_topk", "n_routed_experts", "moe_inter")}
-    c.model.update(small, vocab_size=512, compress_ratios=[0, 4, 8, 4])
-    c.data.update(source="pydoc", vocab_size=512, seq_len=64, batch_size=2, cache_dir=str(tmp_path / "data"))
-    c.train.update(steps=steps, warmup_steps=2, log_every=2, checkpoint_every=3, progress_bar=False)
-    return c
-
-  workdir = tmp_path / "run"
-  lm.train_and_evaluate(config(6), str(workdir))
-  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-  assert [r["stage"] for r in rows] == [lm.DENSE_STAGE, lm.SPARSE_STAGE, lm.SPARSE_STAGE]
-  assert all(np.isfinite(r["lm_loss"]) and r["indexer_loss"] >= 0 for r in rows)
-  assert rows[0]["lr"] == 0.0 and rows[0]["indexer_lr"] > 0
-  lm.train_and_evaluate(config(8), str(workdir))  # resumes from step 6
-  steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-  assert steps == [2, 4, 6, 8]
+  make = lambda steps: small_lm_config(deepseek_v4_flash.get_config, _SMALL, tmp_path, steps)
+  assert_trains_both_stages_and_resumes(make, tmp_path / "run")

@@ -10,8 +10,9 @@ from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.models.decoder import Decoder, DecoderLayer, ModelOutput
 from hyscale_jax.models.deepseek_v4 import DeepseekV4
 from hyscale_jax.models.glm5 import GlmMoeDsa
+from hyscale_jax.models.qwen_next import Qwen4Exp
 
-ARCHITECTURES = {"glm_moe_dsa": GlmMoeDsa, "deepseek_v4": DeepseekV4}
+ARCHITECTURES = {"glm_moe_dsa": GlmMoeDsa, "deepseek_v4": DeepseekV4, "qwen4_exp": Qwen4Exp}
 
 
 def build(config, *, rngs: nnx.Rngs) -> nnx.Module:
@@ -41,4 +42,4 @@ def count_params(config) -> tuple[int, int]:
 
 
 __all__ = ["ARCHITECTURES", "Decoder", "DecoderLayer", "DeepseekV4", "GlmMoeDsa", "ModelConfig",
-           "ModelOutput", "build", "count_params"]
+           "ModelOutput", "Qwen4Exp", "build", "count_params"]

@@ -115,6 +115,7 @@ class Decoder(nnx.Module):
       x, layer_indices, indexer_loss, load = run_layer(graphdef, state, x, positions, segment_ids, indices)
       if layer.self_attn.indexer is not None:
         indices = layer_indices
+      if indexer_loss is not None:
         indexer_losses.append(indexer_loss)
       if load is not None:
         loads.append(load)

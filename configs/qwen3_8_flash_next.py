@@ -1,0 +1,33 @@
+"""Qwen3.8-Flash-Next (`qwen4_exp`): gated GQA with the QSA block indexer, and MoE.
+
+Variants: `full` (the published layout: Gated DeltaNet on 3 of every 4 layers, which is not
+implemented, so it can be inspected but not built) and `tiny` (QSA on every layer, CPU-sized).
+The indexer trains with the block-level KL (`model.indexer_pool` = "sum" or "max"), or not at all
+with `--config.model.indexer_frozen=true --config.train.warmup_steps=0`.
+
+Usage: python train.py --config=configs/qwen3_8_flash_next.py:tiny --workdir=DIR
+"""
+
+import ml_collections
+
+from configs import base
+
+_FULL = dict(
+    architecture="qwen4_exp", vocab_size=248320, d_model=2560, n_layers=48, first_k_dense=0,
+    rms_eps=1e-6, rope_theta=1e7, layer_types=("gated_deltanet",) * 3 + ("qsa",),
+    n_heads=24, n_kv_heads=2, head_dim=256, qk_rope_dim=64,
+    index_n_heads=4, index_head_dim=128, index_rope_dim=64, index_topk=512, qsa_block=4,
+    n_routed_experts=512, experts_per_token=10, n_shared_experts=1, moe_inter=640,
+    scoring="softmax", routed_scaling=1.0, norm_topk_prob=True,
+)
+_FULL["layer_types"] = _FULL["layer_types"] * 12
+# architectures.md's tiny QSA config: a 64-token budget (16 blocks), 67 attended indices per token.
+_TINY = dict(
+    vocab_size=2048, d_model=256, n_layers=4, layer_types=("qsa",) * 4, n_heads=4, n_kv_heads=2,
+    head_dim=64, qk_rope_dim=16, index_n_heads=2, index_head_dim=32, index_rope_dim=16, index_topk=16,
+    n_routed_experts=8, experts_per_token=2, moe_inter=96,
+)
+
+
+def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
+  return base.two_stage_lm("qwen3_8_flash_next", variant, _FULL, _TINY, full_seq_len=65536, full_learning_rate=2.2e-4)

@@ -1,0 +1,228 @@
+"""Qwen3.8-Flash-Next QSA (architectures.md §4): a weight-free block indexer and gated GQA attention."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from hyscale_jax import ops
+from hyscale_jax.layers.mla import AttentionOutput
+from hyscale_jax.layers.rope import apply_rope
+from hyscale_jax.model_config import ModelConfig
+from hyscale_jax.ops import _streaming as st
+from hyscale_jax.ops.flash_topk import index_scores, index_scores_at
+
+
+class ZeroCenteredRMSNorm(nnx.Module):
+  """RMSNorm whose weight is applied as (1 + w), w initialised to 0 (Qwen3-Next / Gemma style)."""
+
+  def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32):
+    self.eps = eps
+    self.weight = nnx.Param(jnp.zeros((dim,), param_dtype))
+
+  def __call__(self, x):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def partial_rope(x, positions, *, rope_dim: int, theta: float):
+  """NeoX (half-split) RoPE on the first `rope_dim` dims of x [B, T, ..., D]."""
+  pe = apply_rope(x[..., :rope_dim], positions, theta=theta, interleaved=False)
+  return jnp.concatenate([pe, x[..., rope_dim:]], axis=-1)
+
+
+def expand_blocks(blocks: Int[Array, "B T K"], segment_ids: Int[Array, "B T"], block: int
+                  ) -> Int[Array, "B T W"]:
+  """Token indices [B, T, K*block + block-1]: each selected block's tokens, then t's partial tail.
+
+  The tail is tokens floor((t+1)/block)*block .. t (at most block-1 of them). Slots for an empty
+  block (-1), for tail positions past t, or for tokens of another document hold -1.
+  """
+  B, T, K = blocks.shape
+  tokens = blocks[..., None] * block + jnp.arange(block)  # [B, T, K, block]
+  tokens = jnp.where(blocks[..., None] >= 0, tokens, -1).reshape(B, T, K * block)
+  t = jnp.arange(T)
+  tail = ((t + 1) // block * block)[:, None] + jnp.arange(block - 1)[None, :]  # [T, block-1]
+  tail = jnp.broadcast_to(jnp.where(tail <= t[:, None], tail, -1)[None], (B, T, block - 1))
+  tokens = jnp.concatenate([tokens, tail], axis=-1)
+  token_seg = jnp.take_along_axis(segment_ids[:, None, :], jnp.clip(tokens, 0, T - 1), axis=2)
+  return jnp.where((tokens >= 0) & (token_seg == segment_ids[:, :, None]), tokens, -1)
+
+
+def _block_kl(teacher_blocks, student_logits, support, pool: str):
+  """Mean over rows of KL(pool(teacher) normalised || softmax(student)) on `support` [B, T, N]."""
+  pooled = teacher_blocks.max(-1) if pool == "max" else teacher_blocks.sum(-1)  # [B, T, N]
+  pooled = jnp.where(support, pooled, 0.0)
+  mass = pooled.sum(-1, keepdims=True)
+  p = pooled / jnp.where(mass > 0, mass, 1.0)
+  log_q = jax.nn.log_softmax(jnp.where(support, student_logits, -jnp.inf), axis=-1)
+  kl = jnp.where(p > 0, p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_q), 0.0).sum(-1)
+  rows = (mass[..., 0] > 0) & support.any(-1)
+  return jnp.sum(jnp.where(rows, kl, 0.0)) / jnp.maximum(rows.sum(), 1)
+
+
+def block_indexer_loss(
+    index_q: Float[Array, "B T HI DI"],
+    block_keys: Float[Array, "B N DI"],
+    attn_q: Float[Array, "B T H D"],
+    attn_k: Float[Array, "B T G D"],
+    attn_lse: Float[Array, "B T H"] | None,
+    blocks: Int[Array, "B T K"] | None,
+    segment_ids: tuple[Int[Array, "B T"], Int[Array, "B N"]],
+    *,
+    block: int,
+    attn_scale: float,
+    index_scale: float,
+    pool: str = "sum",
+) -> Float[Array, ""]:
+  """QSA's block-level indexer KL (the community recipe of architectures.md §4.3; Qwen's is private).
+
+  Teacher: the main attention's probabilities averaged over heads, pooled over each block's
+  `block` tokens (`sum` or `max`), L1-normalised over the support; detached. Student:
+  `softmax(S_t)` with the weight-free block score `S = index_scale * sum_j relu(<q_j, K_b>)`.
+  Sparse form (`blocks` given: the selection, with the attention's `attn_lse`): the support is the
+  selected blocks. Dense form (`blocks=None`): every visible block (b+1)*block <= t+1 of t's
+  document; it builds the [T, T] attention of the dense warm-up, so use it at warm-up lengths.
+  Gradients reach only index_q and block_keys.
+  """
+  attn_q, attn_k, attn_lse = jax.lax.stop_gradient((attn_q, attn_k, attn_lse))
+  B, T, H, _ = attn_q.shape
+  G = attn_k.shape[2]
+  q_seg, block_seg = segment_ids
+  if blocks is not None:
+    K = blocks.shape[-1]
+    tokens = jnp.where(blocks[..., None] >= 0, blocks[..., None] * block + jnp.arange(block), -1)
+    tokens = tokens.reshape(B, T, K * block)
+    safe = jnp.clip(tokens, 0, T - 1)
+    k_sel = jax.vmap(lambda kb, ib: kb[ib])(attn_k, safe)  # [B, T, K*block, G, D]
+    logits = jnp.einsum("btgrd,btjgd->btgrj", attn_q.reshape(B, T, G, H // G, -1), k_sel,
+                        preferred_element_type=jnp.float32) * attn_scale
+    probs = jnp.exp(logits.reshape(B, T, H, -1) - attn_lse[..., None]).mean(2)  # [B, T, K*block]
+    tok_seg = jnp.take_along_axis(q_seg[:, None, :], safe, axis=2)
+    probs = jnp.where((tokens >= 0) & (tok_seg == q_seg[:, :, None]), probs, 0.0)
+    student = index_scores_at(index_q, block_keys, None, blocks, index_scale)
+    return _block_kl(probs.reshape(B, T, K, block), student, blocks >= 0, pool)
+  N = block_keys.shape[1]
+  visible_tok = st.key_visible(jnp.arange(T), jnp.arange(T), 1, q_seg, q_seg)  # [B, T, T]
+  logits = jnp.einsum("btgrd,bsgd->btgrs", attn_q.reshape(B, T, G, H // G, -1), attn_k,
+                      preferred_element_type=jnp.float32) * attn_scale
+  probs = jax.nn.softmax(jnp.where(visible_tok[:, :, None, None], logits, -jnp.inf), axis=-1)
+  probs = jnp.where(visible_tok, probs.reshape(B, T, H, T).mean(2), 0.0)[..., : N * block]
+  student = index_scores(index_q, block_keys, None, index_scale)
+  support = st.key_visible(jnp.arange(T), jnp.arange(N), block, q_seg, block_seg)
+  return _block_kl(probs.reshape(B, T, N, block), student, support, pool)
+
+
+class QSAIndexer(nnx.Module):
+  """The weight-free QSA indexer: one projection to H_I query heads plus one raw key per token.
+
+  Block key b: `RoPE_{first position}(RMSNorm_k(mean of the block's raw keys))`, the mean in f32
+  over the block's tokens of its last token's document. Queries: `RoPE_t(RMSNorm_q(q))`. RoPE is
+  half-split on the first `index_rope_dim` dims with the attention's θ. Inputs are detached.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    self.cfg = cfg
+    HI, DI = cfg.index_n_heads, cfg.index_head_dim
+    self.index_qk_proj = nnx.Linear(cfg.d_model, (HI + 1) * DI, use_bias=False, rngs=rngs, dtype=dtype,
+                                    param_dtype=pdtype)
+    self.q_norm = nnx.RMSNorm(DI, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+    self.k_norm = nnx.RMSNorm(DI, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+
+  @property
+  def score_scale(self) -> float:
+    return self.cfg.index_head_dim**-0.5
+
+  def __call__(self, x, positions, segment_ids):
+    """(q [B, T, HI, DI], block keys [B, T // block, DI], block segment ids i32[B, T // block])."""
+    cfg = self.cfg
+    x = jax.lax.stop_gradient(x)
+    B, T, _ = x.shape
+    m, HI, DI = cfg.qsa_block, cfg.index_n_heads, cfg.index_head_dim
+    N = T // m
+    rope = lambda y, pos: partial_rope(y, pos, rope_dim=cfg.index_rope_dim, theta=cfg.rope_theta)
+    qk = self.index_qk_proj(x).reshape(B, T, HI + 1, DI)
+    q = rope(self.q_norm(qk[:, :, :HI]), positions)
+    raw = qk[:, : N * m, HI].astype(jnp.float32).reshape(B, N, m, DI)
+    seg = segment_ids[:, : N * m].reshape(B, N, m)
+    same = (seg == seg[:, :, -1:])[..., None]
+    mean = jnp.sum(jnp.where(same, raw, 0.0), axis=2) / jnp.sum(same, axis=2)
+    first = positions[:, : N * m].reshape(B, N, m)[:, :, -1] - (m - 1)
+    return q, rope(self.k_norm(mean.astype(x.dtype)), first), seg[:, :, -1]
+
+
+class QSAAttention(nnx.Module):
+  """Gated GQA attention over QSA's selection (architectures.md §4.1-4.2).
+
+  `q_proj` packs each head's query and sigmoid output gate; q/k get zero-centred RMSNorm and partial
+  NeoX RoPE. The indexer selects `index_topk` blocks of `qsa_block` tokens (`ops.flash_topk` with
+  `weights=None`, `compress_ratio=qsa_block`); they expand to tokens plus the current partial
+  block's tail (`index_topk * qsa_block + qsa_block - 1` indices) for one `ops.sparse_attention`
+  call with G = n_kv_heads groups. `dense=True` (the warm-up) attends every causal token. The
+  indexer learns from `block_indexer_loss` (pool `indexer_pool`) unless `indexer_frozen`.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+    H, G, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    self.cfg = cfg
+    self.q_proj = linear(cfg.d_model, H * hd * 2)
+    self.k_proj = linear(cfg.d_model, G * hd)
+    self.v_proj = linear(cfg.d_model, G * hd)
+    self.o_proj = linear(H * hd, cfg.d_model)
+    self.q_norm = ZeroCenteredRMSNorm(hd, eps=cfg.rms_eps, param_dtype=pdtype)
+    self.k_norm = ZeroCenteredRMSNorm(hd, eps=cfg.rms_eps, param_dtype=pdtype)
+    self.indexer = QSAIndexer(cfg, rngs=rngs)
+
+  @property
+  def scale(self) -> float:
+    return self.cfg.head_dim**-0.5
+
+  def qkv_gate(self, x, positions):
+    """(q [B, T, H, hd], k [B, T, G, hd], v [B, T, G, hd], gate [B, T, H, hd])."""
+    cfg = self.cfg
+    B, T, _ = x.shape
+    H, G, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    rope = lambda y: partial_rope(y, positions, rope_dim=cfg.qk_rope_dim, theta=cfg.rope_theta)
+    q, gate = jnp.split(self.q_proj(x).reshape(B, T, H, 2 * hd), 2, axis=-1)
+    k = self.k_proj(x).reshape(B, T, G, hd)
+    v = self.v_proj(x).reshape(B, T, G, hd)
+    return rope(self.q_norm(q)), rope(self.k_norm(k)), v, gate
+
+  def __call__(self, x: Float[Array, "B T D"], positions: Int[Array, "B T"],
+               segment_ids: Int[Array, "B T"], *, dense: bool = False, shared_indices=None,
+               backends=None) -> AttentionOutput:
+    """Attention over the selection; arguments as `MLASparseAttention`'s.
+
+    Returns AttentionOutput(out [B, T, D], the selected blocks i32[B, T, index_topk] (None when
+    dense), the block KL (None when the indexer is frozen)).
+    """
+    del shared_indices
+    cfg = self.cfg
+    B, T, _ = x.shape
+    backend = lambda name: getattr(backends, name, "auto") if backends is not None else "auto"
+    q, k, v, gate = self.qkv_gate(x, positions)
+    index_q, block_keys, block_seg = self.indexer(x, positions, segment_ids)
+    segs = (segment_ids, block_seg)
+    blocks = None
+    if dense:
+      tokens = jnp.where(st.key_visible(jnp.arange(T), jnp.arange(T), 1, segment_ids, segment_ids),
+                         jnp.arange(T), -1)  # [B, T, T]: every causal token (warm-up lengths)
+    else:
+      blocks = ops.flash_topk(index_q, block_keys, None, topk=cfg.index_topk,
+                              compress_ratio=cfg.qsa_block, scale=self.indexer.score_scale,
+                              segment_ids=segs, backend=backend("flash_topk")).indices
+      tokens = expand_blocks(blocks, segment_ids, cfg.qsa_block)
+    out, lse = ops.sparse_attention(q, k, v, tokens, scale=self.scale, backend=backend("sparse_attention"))
+    loss = None
+    if not cfg.indexer_frozen:
+      loss = block_indexer_loss(index_q, block_keys, q, k, None if dense else lse, blocks, segs,
+                                block=cfg.qsa_block, attn_scale=self.scale,
+                                index_scale=self.indexer.score_scale, pool=cfg.indexer_pool)
+    out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
+    return AttentionOutput(self.o_proj(out.reshape(B, T, -1)), blocks, loss)
