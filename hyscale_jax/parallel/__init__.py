@@ -1,0 +1,9 @@
+"""Parallelism over device meshes with `jax.shard_map` (context parallelism first)."""
+
+from hyscale_jax.parallel.context import (
+    LAYOUTS, causal_work, context_parallel_flash_topk, context_parallel_sparse_attention, from_layout,
+    to_layout,
+)
+
+__all__ = ["LAYOUTS", "causal_work", "context_parallel_flash_topk", "context_parallel_sparse_attention",
+           "from_layout", "to_layout"]

@@ -1,0 +1,92 @@
+"""Context parallelism on 8 fake CPU devices: exact selection, attention and its gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from hyscale_jax import ops, parallel
+
+
+def _mesh(n):
+  return jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+
+
+def _ints(rng, shape, lo=-2, hi=2):
+  return jnp.asarray(rng.integers(lo, hi + 1, size=shape).astype(np.float32))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("layout", parallel.LAYOUTS)
+def test_flash_topk_is_bit_identical_to_one_device(n, layout):
+  rng = np.random.default_rng(n)
+  B, T, H, D, topk = 2, 64, 3, 8, 6
+  q, k, w = _ints(rng, (B, T, H, D)), _ints(rng, (B, T, D)), _ints(rng, (B, T, H))
+  want = ops.flash_topk(q, k, w, topk=topk, scale=0.5)
+  lay = lambda x: parallel.to_layout(x, n, layout)
+  got = parallel.context_parallel_flash_topk(lay(q), lay(k), lay(w), mesh=_mesh(n), topk=topk, layout=layout,
+                                             scale=0.5)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(parallel.from_layout(a, n, layout)), np.asarray(b))
+  assert (np.asarray(want.indices) >= 0).any()
+
+
+def test_flash_topk_with_compressed_keys_and_documents():
+  rng = np.random.default_rng(9)
+  n, B, T, H, D, topk = 4, 1, 64, 2, 8, 5
+  q, w = _ints(rng, (B, T, H, D)), _ints(rng, (B, T, H))
+  k = _ints(rng, (B, T // 4, D))
+  q_seg = jnp.asarray((np.arange(T) >= 23).astype(np.int32))[None]
+  kv_seg = q_seg[:, 3::4]
+  want = ops.flash_topk(q, k, w, topk=topk, compress_ratio=4, segment_ids=(q_seg, kv_seg))
+  got = parallel.context_parallel_flash_topk(q, k, w, mesh=_mesh(n), topk=topk, compress_ratio=4,
+                                             segment_ids=(q_seg, kv_seg))
+  np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
+
+
+@pytest.mark.parametrize("layout", parallel.LAYOUTS)
+def test_sparse_attention_and_gradients_match_one_device(layout):
+  n, B, T, H, Dk, Dv, K = 4, 2, 32, 4, 8, 8, 6
+  ks = jax.random.split(jax.random.key(0), 6)
+  q = jax.random.normal(ks[0], (B, T, H, Dk))
+  k = jax.random.normal(ks[1], (B, T, 1, Dk))
+  v = jax.random.normal(ks[2], (B, T, 1, Dv))
+  pos = jnp.arange(T)[None, :, None]
+  idx = jnp.where(jax.random.uniform(ks[3], (B, T, K)) < 0.9,
+                  jax.random.randint(ks[4], (B, T, K), 0, T) % (pos + 1), -1).astype(jnp.int32)
+  sinks = jax.random.normal(ks[5], (H,))
+  dout = jax.random.normal(ks[5], (B, T, H, Dv))
+  lay = lambda x: parallel.to_layout(x, n, layout)
+
+  def single(q, k, v, sinks):
+    out, lse = ops.sparse_attention(q, k, v, idx, scale=0.4, sinks=sinks)
+    return jnp.sum(out * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+  def sharded(q, k, v, sinks):
+    out, lse = parallel.context_parallel_sparse_attention(lay(q), lay(k), lay(v), lay(idx), mesh=_mesh(n),
+                                                          scale=0.4, sinks=sinks, layout=layout)
+    out, lse = parallel.from_layout(out, n, layout), parallel.from_layout(lse, n, layout)
+    return jnp.sum(out * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+  want_v, want_g = jax.value_and_grad(single, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+  got_v, got_g = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+  np.testing.assert_allclose(got_v, want_v, rtol=1e-5)
+  for g, w in zip(got_g, want_g):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_zigzag_balances_causal_work():
+  contiguous = parallel.causal_work(1 << 16, 8, "contiguous")
+  zigzag = parallel.causal_work(1 << 16, 8, "zigzag")
+  assert contiguous.sum() == zigzag.sum() == (1 << 16) * ((1 << 16) + 1) // 2
+  assert contiguous.max() / contiguous.min() > 10  # 15x: the last shard does most of the work
+  assert zigzag.max() / zigzag.min() < 1.001
+
+
+def test_layout_round_trip_and_bad_lengths():
+  x = jnp.arange(2 * 48).reshape(2, 48)
+  for layout in parallel.LAYOUTS:
+    np.testing.assert_array_equal(parallel.from_layout(parallel.to_layout(x, 4, layout), 4, layout), x)
+  with pytest.raises(ValueError, match="divisible by 16"):
+    parallel.causal_work(40, 8, "zigzag")
