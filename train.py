@@ -5,6 +5,8 @@ import importlib
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from hyscale_jax import parallel
+
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/glm5_1.py:tiny", "Experiment config.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/glm5_1_tiny", "Checkpoints and metrics go here.")
@@ -20,6 +22,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO; -v 0 shows it
+  parallel.maybe_initialize_distributed()  # one process of many: join them before any JAX work
   config = _CONFIG.value
   if config.task not in _TASKS:
     raise app.UsageError(f"config.task={config.task!r} is not one of {sorted(_TASKS)}")

@@ -18,6 +18,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.ops.sparse_attention = "auto"
   config.ops.indexer_loss = "auto"
 
+  # Device mesh: axis sizes whose product is the devices used (-1: the rest). The batch is split over
+  # data x fsdp and the sequence over context (context parallelism); expert and tensor must be 1.
+  config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, context=1, tensor=1))
+
   config.model = ml_collections.ConfigDict()
   # "selection_replay" (save the selection), "full" (Megatron-style: reselect in backward) or "none".
   config.model.remat_policy = "selection_replay"

@@ -90,3 +90,60 @@ def test_layout_round_trip_and_bad_lengths():
     np.testing.assert_array_equal(parallel.from_layout(parallel.to_layout(x, 4, layout), 4, layout), x)
   with pytest.raises(ValueError, match="divisible by 16"):
     parallel.causal_work(40, 8, "zigzag")
+
+
+def test_ops_split_the_sequence_by_themselves_under_a_context_mesh():
+  rng = np.random.default_rng(3)
+  B, T, H, D, topk = 2, 32, 2, 8, 5
+  q, k, w = _ints(rng, (B, T, H, D)), _ints(rng, (B, T, D)), _ints(rng, (B, T, H))
+  want = ops.flash_topk(q, k, w, topk=topk)
+  mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+  select = jax.jit(lambda q, k, w: ops.flash_topk(q, k, w, topk=topk))
+  with jax.set_mesh(mesh):
+    jaxpr = jax.make_jaxpr(select)(q, k, w)
+    got = select(q, k, w)
+  assert "shard_map" in str(jaxpr)  # it really ran split over the mesh
+  np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
+  np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(want.scores))
+
+
+def _lm_config(tmp_path, steps, **mesh):
+  from configs import glm5_1  # noqa: PLC0415
+
+  config = glm5_1.get_config("tiny")
+  config.model.update(d_model=32, n_layers=2, first_k_dense=1, dense_inter=32, n_heads=2, q_lora_rank=16,
+                      kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=16, n_routed_experts=4,
+                      experts_per_token=2, moe_inter=16, index_n_heads=2, index_head_dim=16, index_rope_dim=8,
+                      index_topk=8, vocab_size=512)
+  config.data.update(source="pydoc", vocab_size=512, seq_len=64, batch_size=2, cache_dir=str(tmp_path / "data"))
+  config.train.update(steps=steps, warmup_steps=2, log_every=1, checkpoint_every=3, progress_bar=False)
+  config.mesh.update(mesh)
+  return config
+
+
+def test_training_on_a_data_by_context_mesh_matches_one_device(tmp_path):
+  from hyscale_jax.training import lm  # noqa: PLC0415
+
+  one = lm.train_and_evaluate(_lm_config(tmp_path, 5), str(tmp_path / "one"))
+  split = lm.train_and_evaluate(_lm_config(tmp_path, 5, data=2, context=4), str(tmp_path / "split"))
+  assert [r["stage"] for r in split] == [lm.DENSE_STAGE] * 2 + [lm.SPARSE_STAGE] * 3
+  for a, b in zip(one, split):
+    for key in ("loss", "lm_loss", "indexer_loss"):
+      np.testing.assert_allclose(b[key], a[key], rtol=1e-4, err_msg=f"step {a['step']} {key}")
+  # A checkpoint written on the 2 x 4 mesh resumes on one device and continues the same run.
+  resumed = lm.train_and_evaluate(_lm_config(tmp_path, 7), str(tmp_path / "split"))
+  straight = lm.train_and_evaluate(_lm_config(tmp_path, 7), str(tmp_path / "one"))
+  assert [r["step"] for r in resumed] == [6, 7] == [r["step"] for r in straight]
+  for a, b in zip(straight, resumed):
+    np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-4)
+
+
+def test_bad_meshes_are_named_before_compute(tmp_path):
+  from hyscale_jax.training import lm  # noqa: PLC0415
+
+  with pytest.raises(ValueError, match="batch_size"):
+    lm.train_and_evaluate(_lm_config(tmp_path, 1, data=4), str(tmp_path / "a"))
+  with pytest.raises(ValueError, match="devices"):
+    lm.train_and_evaluate(_lm_config(tmp_path, 1, data=-1, context=3), str(tmp_path / "b"))
+  with pytest.raises(NotImplementedError, match="expert"):
+    lm.train_and_evaluate(_lm_config(tmp_path, 1, expert=2), str(tmp_path / "c"))

@@ -19,9 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
-
 from hyscale_jax import ops
+from hyscale_jax.ops import _context
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -73,76 +72,73 @@ def causal_work(T: int, n: int, layout: str, compress_ratio: int = 1) -> np.ndar
   return per_position.reshape(n, -1).sum(1)
 
 
-def _local_offsets(T_local: int, n: int, layout: str, axis: str):
-  """[(row start within the local shard, absolute position of that row, rows)] for this device."""
-  i = jax.lax.axis_index(axis)
-  if layout == "contiguous":
-    return [(0, i * T_local, T_local)]
-  half = T_local // 2
-  return [(0, i * half, half), (half, (2 * n - 1 - i) * half, half)]
-
-
-def context_parallel_flash_topk(q, k, weights=None, *, mesh, topk, axis: str = "context",
-                                batch_axis: str | None = None, layout: str = "contiguous",
+def context_parallel_flash_topk(q, k, weights=None, *, mesh, topk, layout: str = "contiguous",
                                 compress_ratio: int = 1, segment_ids=None, scale: float = 1.0,
                                 backend: str = "auto"):
-  """`ops.flash_topk` with q (and k) split over `axis`; bit-identical to the single-device call.
+  """`ops.flash_topk` with the sequence split over `mesh`'s `context` axis; bit-identical results.
+
+  With the contiguous layout this is what `ops.flash_topk` does by itself under
+  `jax.set_mesh(mesh)`; this function takes the mesh explicitly and can be called inside `jax.jit`.
 
   Args:
-    q, k, weights, segment_ids: as in `ops.flash_topk`, in `layout` order along the sequence
-      (see `to_layout`); query positions and key indices are those of the natural order.
-    mesh: a mesh with `axis` (and `batch_axis`, when given, for the batch dimension).
+    q, k, weights, segment_ids: as in `ops.flash_topk`, in `layout` order along the sequence (see
+      `to_layout`); query positions and key indices are those of the natural order.
+    mesh: a mesh with a `context` axis (and optionally `data`/`fsdp` for the batch).
     topk, compress_ratio, scale, backend: as in `ops.flash_topk`.
-    layout: "contiguous" or "zigzag" (see the module docstring).
+    layout: "contiguous" or "zigzag" (causally balanced).
 
   Returns:
-    TopK(indices, scores) in `layout` order, sharded like q; indices are global key positions.
+    TopK(indices, scores) in `layout` order; indices are global key positions.
   """
-  n = mesh.shape[axis]
-  T = q.shape[1]
-  _check_divisible(T, n, layout)
+  n = mesh.shape[_context.CONTEXT_AXIS]
+  _check_divisible(q.shape[1], n, layout)
   q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
-  spec = P(batch_axis, axis)
 
-  def per_device(q, k, w, q_seg, kv_seg):
-    k = from_layout(jax.lax.all_gather(k, axis, axis=1, tiled=True), n, layout)
-    if kv_seg is not None:
-      kv_seg = from_layout(jax.lax.all_gather(kv_seg, axis, axis=1, tiled=True), n, layout)
+  def per_shard(row_offset, local, full, replicated):
+    del replicated
+    (q, w, q_seg), (k, kv_seg) = local, full
+    k = from_layout(k, n, layout)
+    kv_seg = None if kv_seg is None else from_layout(kv_seg, n, layout)
     parts = []
-    for start, position, rows in _local_offsets(q.shape[1], n, layout, axis):
+    for start, position, rows in _local_rows(q.shape[1], n, layout, row_offset):
       sl = lambda x: None if x is None else jax.lax.slice_in_dim(x, start, start + rows, axis=1)
       parts.append(ops.flash_topk(
           sl(q), k, sl(w), topk=topk, compress_ratio=compress_ratio, q_offset=position,
           segment_ids=None if q_seg is None else (sl(q_seg), kv_seg), scale=scale, backend=backend))
     return tuple(jnp.concatenate(x, axis=1) for x in zip(*parts))
 
-  none_or = lambda x: None if x is None else spec
-  fn = jax.shard_map(per_device, mesh=mesh, out_specs=(spec, spec), check_vma=False,
-                     in_specs=(spec, spec, none_or(weights), none_or(q_seg), none_or(kv_seg)))
-  return ops.TopK(*fn(q, k, weights, q_seg, kv_seg))
+  return ops.TopK(*_context.run_sequence_sharded(
+      per_shard, mesh, sharded=(q, weights, q_seg), gathered=(k, kv_seg), n_out=2))
 
 
 def context_parallel_sparse_attention(q, k, v, indices, *, mesh, scale: float, sinks=None,
-                                      axis: str = "context", batch_axis: str | None = None,
                                       layout: str = "contiguous", backend: str = "auto"):
-  """`ops.sparse_attention` with q, k, v and indices split over `axis` (all in `layout` order).
+  """`ops.sparse_attention` with q, k, v and indices split over `mesh`'s `context` axis.
 
-  Each device all-gathers k and v (MQA: one row per token), restores the natural key order that
-  `indices` name, and attends its own queries. Differentiable: dk and dv are reduce-scattered back
-  to their owners by the all-gather's transpose.
+  All in `layout` order; `indices` name natural-order key positions. Each device all-gathers k
+  and v, restores their natural order and attends its own queries; dk and dv are
+  reduce-scattered back to their owners by the all-gather's transpose.
 
   Returns:
-    (out [B, T, H, Dv], lse f32[B, T, H]) in `layout` order, sharded like q.
+    (out [B, T, H, Dv], lse f32[B, T, H]) in `layout` order.
   """
-  n = mesh.shape[axis]
+  n = mesh.shape[_context.CONTEXT_AXIS]
   _check_divisible(q.shape[1], n, layout)
-  spec = P(batch_axis, axis)
 
-  def per_device(q, k, v, indices, sinks):
-    gather = lambda x: from_layout(jax.lax.all_gather(x, axis, axis=1, tiled=True), n, layout)
-    return ops.sparse_attention(q, gather(k), gather(v), indices, scale=scale, sinks=sinks,
-                                backend=backend)
+  def per_shard(row_offset, local, full, replicated):
+    del row_offset
+    (q, indices), (k, v), (sinks,) = local, full, replicated
+    return ops.sparse_attention(q, from_layout(k, n, layout), from_layout(v, n, layout), indices,
+                                scale=scale, sinks=sinks, backend=backend)
 
-  fn = jax.shard_map(per_device, mesh=mesh, out_specs=(spec, spec), check_vma=False,
-                     in_specs=(spec, spec, spec, spec, None if sinks is None else P()))
-  return fn(q, k, v, indices, sinks)
+  return _context.run_sequence_sharded(per_shard, mesh, sharded=(q, indices), gathered=(k, v),
+                                       replicated=(sinks,), n_out=2)
+
+
+def _local_rows(T_local: int, n: int, layout: str, row_offset):
+  """[(local row start, absolute position, rows)] of this device's chunks of the sequence."""
+  if layout == "contiguous":
+    return [(0, row_offset, T_local)]
+  i = jax.lax.axis_index(_context.CONTEXT_AXIS)
+  half = T_local // 2
+  return [(0, i * half, half), (half, (2 * n - 1 - i) * half, half)]

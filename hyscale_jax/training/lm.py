@@ -18,9 +18,11 @@ import ml_collections
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from hyscale_jax import models
+from hyscale_jax import models, parallel
 from hyscale_jax.layers.moe import MoE, update_router_bias
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.training.checkpoints import Checkpointer
@@ -101,7 +103,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[
     The metric rows logged by this run (also appended to `<workdir>/metrics.jsonl`).
   """
   cfg = _model_config(config)  # every config error surfaces here, before any compute
+  mesh = _mesh(config)
   check_workdir(workdir)
+  with jax.set_mesh(mesh):
+    return _train(config, cfg, mesh, workdir)
+
+
+def _mesh(config) -> jax.sharding.Mesh:
+  """The mesh of `config.mesh`, checked against the batch and sequence it splits."""
+  mesh = parallel.make_mesh(config.mesh)
+  split_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+  if config.data.batch_size % split_batch:
+    raise ValueError(f"data.batch_size={config.data.batch_size} must divide over mesh data x fsdp = {split_batch}.")
+  if config.data.seq_len % mesh.shape["context"]:
+    raise ValueError(f"data.seq_len={config.data.seq_len} must divide over mesh.context={mesh.shape['context']}.")
+  return mesh
+
+
+def _train(config, cfg: ModelConfig, mesh, workdir: str) -> list[dict]:
+  """The training loop, under `jax.set_mesh(mesh)`: the ops split the sequence over `context`."""
   train = config.train
   data_args = dict(source=config.data.source, vocab_size=config.data.vocab_size, seq_len=config.data.seq_len,
                    batch_size=config.data.batch_size, seed=train.seed, cache_dir=config.data.cache_dir or None)
@@ -114,6 +134,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tx, main_lr, indexer_lr = make_optimizer(config, params)
   state = {"params": params, "rest": rest, "opt_state": tx.init(params), "skipped_steps": jnp.int32(0)}
+  # Parameters and optimizer state are replicated (FSDP sharding is not implemented yet); a
+  # checkpoint restores into these shardings whatever mesh wrote it.
+  state = jax.device_put(state, NamedSharding(mesh, P()))
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=train.checkpoint_every)
   restored = checkpointer.restore_latest(state)
   start = 0
@@ -171,7 +194,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[
       logging.info("stopping at step %d (train.stop_at_step); rerun to continue", step)
       break
     dense = step < train.warmup_steps
-    batch = {k: jnp.asarray(v) for k, v in data.batch(step).items()}
+    batch = parallel.global_batch(mesh, data.batch(step))
     state, metrics = train_step(state, batch, dense)
     if not bool(metrics["finite"]):
       # The state is the pre-step state, so the gradients can be recomputed to name the culprit.
@@ -183,7 +206,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[
       metrics = {k: float(v) for k, v in metrics.items() if k != "finite"}
       metrics["skipped_steps"] = int(state["skipped_steps"])
       elapsed = time.perf_counter() - window_start
-      val = {k: jnp.asarray(v) for k, v in validation.batch(0).items()}
+      val = parallel.global_batch(mesh, validation.batch(0))
       row = metrics_writer.write(done, dict(
           **metrics, val_lm_loss=evaluate(state["params"], state["rest"], val, dense),
           stage=DENSE_STAGE if dense else SPARSE_STAGE, tokens_per_sec=window_steps * tokens_per_step / elapsed,

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from hyscale_jax import remat
-from hyscale_jax.ops import _checks
+from hyscale_jax.ops import _checks, _context
 from hyscale_jax.ops._registry import Backend, BackendRegistry
 from hyscale_jax.ops.flash_topk.reference import flash_topk_reference, flash_topk_xla_baseline
 
@@ -42,6 +42,9 @@ def flash_topk(
     backend: Backend = "auto",
 ) -> TopK:
   """Exact top-k of `score[b,t,s] = scale * sum_h weights[b,t,h] * relu(<q[b,t,h], k[b,s]>)`.
+
+  Under a mesh with a `context` axis (`jax.set_mesh`), the query rows are split over it and the
+  keys all-gathered (`hyscale_jax.ops._context`); the result is the same.
 
   Query `t` sits at absolute position `p = q_offset + t`; key `s` is visible iff
   `(s + 1) * compress_ratio <= p + 1` (and, with `segment_ids`, iff the segment ids are equal).
@@ -80,10 +83,21 @@ def flash_topk(
 def _flash_topk(q, k, weights, q_offset, segment_ids, *, topk, compress_ratio, scale, names):
   """The single jaxpr equation (named `_flash_topk`) that tools count as one selection."""
   q, k, weights = jax.lax.stop_gradient((q, k, weights))
-  indices, scores = REGISTRY.run(
-      names, q, k, weights, topk=topk, compress_ratio=compress_ratio, q_offset=q_offset,
-      segment_ids=segment_ids, scale=scale,
-  )
+  q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
+
+  def select(row_offset, local, full, replicated):
+    (q, weights, q_seg), (k, kv_seg), (q_offset,) = local, full, replicated
+    return REGISTRY.run(
+        names, q, k, weights, topk=topk, compress_ratio=compress_ratio, q_offset=q_offset + row_offset,
+        segment_ids=None if q_seg is None else (q_seg, kv_seg), scale=scale,
+    )
+
+  mesh = _context.context_mesh()
+  if mesh is None:
+    indices, scores = select(0, (q, weights, q_seg), (k, kv_seg), (q_offset,))
+  else:  # context parallelism: this device's query rows against all-gathered keys
+    indices, scores = _context.run_sequence_sharded(
+        select, mesh, sharded=(q, weights, q_seg), gathered=(k, kv_seg), replicated=(q_offset,), n_out=2)
   return indices, jax.lax.stop_gradient(scores)
 
 

@@ -7,7 +7,7 @@ import functools
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from hyscale_jax.ops import _checks
+from hyscale_jax.ops import _checks, _context
 from hyscale_jax.ops._registry import Backend, BackendRegistry
 from hyscale_jax.ops.sparse_attention.reference import (
     sparse_attention_backward_reference,
@@ -40,6 +40,9 @@ def sparse_attention(
 ) -> tuple[Float[Array, "B T H Dv"], Float[Array, "B T H"]]:
   """Attention of query t over keys `indices[b, t, :]`, shared by all G key/value groups.
 
+  Under a mesh with a `context` axis (`jax.set_mesh`), the queries are split over it and k, v
+  all-gathered; dk and dv are reduce-scattered back.
+
   Head h reads group `h // (H // G)` (G = 1 is MQA, as in absorbed MLA and DeepSeek-V4). A duplicate
   index counts once per occurrence; -1 (or any index outside [0, S)) is skipped. Logits, the
   softmax and the value sum are f32; `out` is returned in q's dtype. Differentiable in q, k, v and
@@ -65,7 +68,18 @@ def sparse_attention(
   """
   _check_args(q, k, v, indices, scale, sinks)
   names = REGISTRY.candidates(backend)
-  return REGISTRY.run(names, q, k, v, indices, scale=float(scale), sinks=sinks)
+
+  def attend(row_offset, local, full, replicated):
+    del row_offset  # indices name global key positions
+    (q, indices), (k, v), (sinks,) = local, full, replicated
+    return REGISTRY.run(names, q, k, v, indices, scale=float(scale), sinks=sinks)
+
+  mesh = _context.context_mesh()
+  if mesh is None:
+    return attend(0, (q, indices), (k, v), (sinks,))
+  # Context parallelism: this device's queries against all-gathered keys and values.
+  return _context.run_sequence_sharded(attend, mesh, sharded=(q, indices), gathered=(k, v),
+                                       replicated=(sinks,), n_out=2)
 
 
 def _check_args(q, k, v, indices, scale, sinks):
