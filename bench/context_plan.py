@@ -22,6 +22,7 @@ from flax import nnx
 sys.path.insert(0, ".")
 from hyscale_jax import models  # noqa: E402
 from hyscale_jax.model_config import ModelConfig  # noqa: E402
+from hyscale_jax.training.memory import estimate_training_memory  # noqa: E402
 
 BF16, F32, I32 = 2, 4, 4
 
@@ -76,6 +77,9 @@ def plan(cfg: ModelConfig, T: int, gpus: int, max_context: int):
   return dict(gpus=gpus, mesh=dict(context=context, expert=expert, fsdp=gpus), T=T,
               params_total=total_p, per_layer_held_bytes=held, per_layer_moved_bytes=moved,
               model_held_bytes=cfg.n_layers * sum(v for k, v in held.items() if "transient" not in k),
+              preflight_estimate_bytes=estimate_training_memory(
+                  cfg, batch_size=1, seq_len=T, context_shards=context, param_shards=gpus,
+                  param_count=total_p).total,
               step_moved_bytes=cfg.n_layers * sum(moved.values()))
 
 
@@ -99,6 +103,7 @@ def main():
   for key in rows[0]["per_layer_moved_bytes"]:
     print(f"| moves: {key} | " + " | ".join(gb(r["per_layer_moved_bytes"][key]) for r in rows) + " |")
   print("| **all layers: held (saved + params + state)** | " + " | ".join(gb(r["model_held_bytes"]) for r in rows) + " |")
+  print("| train.py's preflight estimate (whole step) | " + " | ".join(gb(r["preflight_estimate_bytes"]) for r in rows) + " |")
   print("| **all layers: moved per step** | " + " | ".join(gb(r["step_moved_bytes"]) for r in rows) + " |")
   if args.out:
     with open(args.out, "w") as f:

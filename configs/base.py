@@ -58,6 +58,9 @@ def get_config() -> ml_collections.ConfigDict:
   # On a non-finite loss or gradient: "skip" the step (state unchanged, counted) or "stop" with the
   # first non-finite tensor named.
   config.train.nonfinite = "stop"
+  # Before compiling, estimate the per-device memory and stop with the knobs that would fit when it
+  # clearly exceeds the device (hyscale_jax/training/memory.py).
+  config.train.memory_preflight = True
   return config
 
 

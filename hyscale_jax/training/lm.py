@@ -25,6 +25,7 @@ from tqdm import tqdm
 from hyscale_jax import models, parallel
 from hyscale_jax.layers.moe import MoE, update_router_bias
 from hyscale_jax.model_config import ModelConfig
+from hyscale_jax.training import memory
 from hyscale_jax.training.checkpoints import Checkpointer
 from hyscale_jax.training.metrics import MetricWriter
 from hyscale_jax.training.text_data import PackedTextDataset
@@ -104,6 +105,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[
   """
   cfg = _model_config(config)  # every config error surfaces here, before any compute
   mesh = _mesh(config)
+  if config.train.get("memory_preflight", True):
+    estimate = memory.preflight(cfg, batch_size=config.data.batch_size, seq_len=config.data.seq_len,
+                                mesh_shape=dict(mesh.shape), available=memory.device_memory_bytes())
+    logging.info("memory preflight: about %s per device", estimate.describe())
   check_workdir(workdir)
   with jax.set_mesh(mesh):
     return _train(config, cfg, mesh, workdir)
