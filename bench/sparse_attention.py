@@ -1,11 +1,24 @@
-"""Sparse attention on one GPU: the Pallas forward against the reference and a plain XLA gather.
+"""Sparse attention on one GPU: the Pallas kernels against the reference (XLA gather), and the loss pieces.
 
-Run on the H200: `python bench/sparse_attention.py [--seq 16384] [--heads 64 128] [--out results.json]`.
-FLOPs: forward 2·T·H·K·(Dk + Dv); forward + backward counted as 3.5x that. Inputs are random normal
-bf16, the selection is random and causal; every timed variant is first checked against the reference.
+    python bench/sparse_attention.py check                      # GPU correctness + dk/dv run-to-run spread
+    python bench/sparse_attention.py tune --shape mla64 --seq 16384
+    python bench/sparse_attention.py table --shapes mla64 mla128 v4 qsa --seq 16384 65536 --out r.json
+    python bench/sparse_attention.py table --smoke              # tiny shapes on the CPU, in seconds
+
+Shapes (issue 5): `mla64`/`mla128` absorbed MLA in MQA form (G=1, Dk=576, Dv=512, k=2048, v = the
+key's 512-wide latent prefix); `v4` DeepSeek-V4 MQA with K = V (512), sinks, and indices into one
+concatenated KV of T tokens plus T/4 compressed entries (top-512 compressed + a 128-token window,
+k=640); `qsa` gated GQA (H=24, G=2, D=256, k=2051). Batch 1, bf16, random normal inputs, random
+causal selections.
+
+FLOPs: forward `2 T H k (Dk + Dv)`; backward `2 T H k (3 Dk + 2 Dv)` (S recomputed, dP, dq, dk, dv).
+Every timed variant is checked against the reference in the same run first. Before each checked
+call, `poison` fills and frees device buffers of the outputs' sizes with NaN, so an output element a
+kernel forgot to write most likely reads back as NaN rather than as a stale correct value.
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -16,63 +29,285 @@ import numpy as np
 sys.path.insert(0, ".")
 sys.path.insert(0, "bench")
 from hyscale_jax import ops  # noqa: E402
+from hyscale_jax.ops.indexer_loss.reference import indexer_loss_reference, teacher_mass_reference  # noqa: E402
+from hyscale_jax.ops.sparse_attention.reference import (  # noqa: E402
+    sparse_attention_backward_reference,
+    sparse_attention_forward_reference,
+)
+from pallas_kernels.sparse_attention import (  # noqa: E402
+    Config,
+    attention_teacher_pallas,
+    sparse_attention_backward_pallas,
+    sparse_attention_forward_pallas,
+)
 from timing import timed  # noqa: E402
 
 
-def xla_gather_forward(q, k, v, idx, scale):
-  """The plain XLA baseline: gather every selected row at once, then einsum (no chunking)."""
-  k_sel = jax.vmap(lambda kb, ib: kb[ib])(k[:, :, 0], idx)  # [B, T, K, Dk]
-  v_sel = jax.vmap(lambda vb, ib: vb[ib])(v[:, :, 0], idx)
-  s = jnp.einsum("bthd,btkd->bthk", q, k_sel, preferred_element_type=jnp.float32) * scale
-  p = jax.nn.softmax(s, axis=-1)
-  return jnp.einsum("bthk,btkd->bthd", p.astype(v.dtype), v_sel, preferred_element_type=jnp.float32)
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  H: int
+  G: int
+  Dk: int
+  Dv: int
+  K: int
+  value_is_key: bool = False  # MLA: v = k[..., :Dv]; V4: v = k
+  sinks: bool = False
+  extra_keys: float = 0.0  # V4: S = T * (1 + extra_keys) (compressed entries after the tokens)
+  index_heads: int = 64
+  index_dim: int = 128
 
 
-def run(T, H, Dk=576, Dv=512, K=2048):
-  ks = jax.random.split(jax.random.key(T * 7 + H), 4)
-  q = jax.random.normal(ks[0], (1, T, H, Dk), jnp.bfloat16)
-  k = jax.random.normal(ks[1], (1, T, 1, Dk), jnp.bfloat16)
-  v = k[..., :Dv]  # MLA: the value is the latent part of the key
-  idx = (jax.random.randint(ks[2], (1, T, K), 0, T) % (jnp.arange(T)[:, None] + 1)).astype(jnp.int32)
-  dout = jax.random.normal(ks[3], (1, T, H, Dv), jnp.bfloat16)
-  scale = Dk**-0.5
-  fwd = {b: jax.jit(lambda q, k, v, b=b: ops.sparse_attention(q, k, v, idx, scale=scale, backend=b))
-         for b in ("pallas", "reference")}
-  out_p, lse_p = fwd["pallas"](q, k, v)
-  out_r, lse_r = fwd["reference"](q, k, v)
-  rel = float(jnp.linalg.norm((out_p - out_r).astype(jnp.float32)) / jnp.linalg.norm(out_r.astype(jnp.float32)))
-  lse_err = float(jnp.max(jnp.abs(lse_p - lse_r)))
-  flops = 2 * T * H * K * (Dk + Dv)
-  rows = [dict(T=T, H=H, variant="xla_gather_fwd", seconds=timed(jax.jit(lambda q, k, v: xla_gather_forward(q, k, v, idx, scale)), q, k, v))]
-  for b in ("pallas", "reference"):
-    rows.append(dict(T=T, H=H, variant=f"{b}_fwd", seconds=timed(fwd[b], q, k, v)))
-    grad = jax.jit(jax.grad(lambda q, k, b=b: jnp.sum(
-        ops.sparse_attention(q, k, k[..., :Dv], idx, scale=scale, backend=b)[0].astype(jnp.float32)
-        * dout), argnums=(0, 1)))
-    rows.append(dict(T=T, H=H, variant=f"{b}_fwd_bwd", seconds=timed(grad, q, k)))
-  for r in rows:
-    r["tflops"] = (3.5 if "bwd" in r["variant"] else 1.0) * flops / r["seconds"] / 1e12
-    r["rel_err_vs_reference"] = rel
-    r["lse_max_abs_err"] = lse_err
-  return rows
+SHAPES = {
+    "mla64": Shape(64, 1, 576, 512, 2048, value_is_key=True),
+    "mla128": Shape(128, 1, 576, 512, 2048, value_is_key=True),
+    "v4": Shape(64, 1, 512, 512, 640, value_is_key=True, sinks=True, extra_keys=0.25),
+    "qsa": Shape(24, 2, 256, 256, 2051, index_heads=4),
+    "smoke": Shape(16, 1, 48, 32, 24, value_is_key=True, sinks=True, index_heads=4, index_dim=16),
+}
+
+
+def make_inputs(shape: Shape, T: int, seed=0, dtype=jnp.bfloat16):
+  S = int(T * (1 + shape.extra_keys))
+  ks = jax.random.split(jax.random.key(seed), 8)
+  q = jax.random.normal(ks[0], (1, T, shape.H, shape.Dk), dtype)
+  k = jax.random.normal(ks[1], (1, S, shape.G, shape.Dk), dtype)
+  v = k[..., : shape.Dv] if shape.value_is_key else jax.random.normal(ks[2], (1, S, shape.G, shape.Dv), dtype)
+  # Random causal selections over the T token keys; V4's window/compressed entries are mixed in.
+  idx = jax.random.randint(ks[3], (1, T, shape.K), 0, S) % (jnp.arange(T)[:, None] + 1 + (S - T))
+  dout = jax.random.normal(ks[4], (1, T, shape.H, shape.Dv), dtype)
+  sinks = jax.random.normal(ks[5], (shape.H,), jnp.float32) if shape.sinks else None
+  iq = jax.random.normal(ks[6], (1, T, shape.index_heads, shape.index_dim), dtype)
+  ik = jax.random.normal(ks[7], (1, S, shape.index_dim), dtype)
+  iw = jax.random.normal(ks[0], (1, T, shape.index_heads), dtype)
+  return dict(q=q, k=k, v=v, idx=idx.astype(jnp.int32), dout=dout, sinks=sinks, iq=iq, ik=ik, iw=iw)
+
+
+def flops(shape: Shape, T: int):
+  fwd = 2 * T * shape.H * shape.K * (shape.Dk + shape.Dv)
+  bwd = 2 * T * shape.H * shape.K * (3 * shape.Dk + 2 * shape.Dv)
+  return fwd, bwd
+
+
+def temp_gb(fn, *args):
+  return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes / 1e9
+
+
+def poison(*arrays):
+  """Fills, then frees, NaN buffers the size of `arrays`, for the allocator to hand out next."""
+  for a in arrays:
+    if a is not None:
+      jnp.full(a.shape, jnp.nan, a.dtype).block_until_ready().delete()
+
+
+def rel_err(a, b):
+  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def variants(shape: Shape, scale, fwd_config=None, bwd_config=None):
+  """name -> jitted fn(q, k, v, idx, sinks, dout) for the forward, backward and fwd+bwd of each backend."""
+
+  def fwd_p(q, k, v, idx, sinks, dout):
+    return sparse_attention_forward_pallas(q, k, v, idx, scale=scale, sinks=sinks, config=fwd_config)
+
+  def fwd_r(q, k, v, idx, sinks, dout):
+    return sparse_attention_forward_reference(q, k, v, idx, scale=scale, sinks=sinks)
+
+  def bwd(backward, forward):
+    def run(q, k, v, idx, sinks, dout):
+      out, lse = forward(q, k, v, idx, sinks, dout)
+      return backward((q, k, v, idx, sinks, out, lse), (dout, jnp.zeros_like(lse)), scale=scale)
+    return run
+
+  def bwd_only(backward, **kw):
+    def run(q, k, v, idx, sinks, dout, out, lse):
+      return backward((q, k, v, idx, sinks, out, lse), (dout, jnp.zeros_like(lse)), scale=scale, **kw)
+    return run
+
+  def fwd_bwd(backend):
+    def run(q, k, v, idx, sinks, dout):
+      def loss(q, k, v, sinks):
+        out, _ = ops.sparse_attention(q, k, v, idx, scale=scale, sinks=sinks, backend=backend)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+      return jax.grad(loss, argnums=(0, 1, 2) + ((3,) if sinks is not None else ()))(q, k, v, sinks)
+    return run
+
+  return dict(
+      pallas_fwd=fwd_p, reference_fwd=fwd_r,
+      pallas_bwd=bwd_only(sparse_attention_backward_pallas, config=bwd_config),
+      reference_bwd=bwd_only(sparse_attention_backward_reference),
+      pallas_fwd_bwd=fwd_bwd("pallas"), reference_fwd_bwd=fwd_bwd("reference"),
+  )
+
+
+def run_shape(name, shape: Shape, T, reps, fwd_config=None, bwd_config=None, skip_reference=False):
+  x = make_inputs(shape, T)
+  scale = shape.Dk**-0.5
+  fns = {n: jax.jit(f) for n, f in variants(shape, scale, fwd_config, bwd_config).items()}
+  args = (x["q"], x["k"], x["v"], x["idx"], x["sinks"], x["dout"])
+  out_r, lse_r = fns["reference_fwd"](*args)
+  g_r = fns["reference_bwd"](*args, out_r, lse_r)
+  poison(out_r, lse_r)
+  out_p, lse_p = fns["pallas_fwd"](*args)
+  poison(*g_r)
+  g_p = fns["pallas_bwd"](*args, out_r, lse_r)
+  errors = dict(out=rel_err(out_p, out_r), lse=float(jnp.max(jnp.abs(lse_p - lse_r))),
+                **{f"d{n}": rel_err(a, b) for n, a, b in zip(("q", "k", "v", "sinks"), g_p, g_r) if b is not None})
+  assert all(np.isfinite(list(errors.values()))), errors
+  fwd_flops, bwd_flops = flops(shape, T)
+  row = dict(shape=name, T=T, H=shape.H, G=shape.G, Dk=shape.Dk, Dv=shape.Dv, K=shape.K, errors=errors)
+  for backend in ("pallas",) + (() if skip_reference else ("reference",)):
+    r = 1 if backend == "reference" and T > 16384 else reps
+    row[f"{backend}_fwd_ms"] = timed(fns[f"{backend}_fwd"], *args, reps=r) * 1e3
+    row[f"{backend}_bwd_ms"] = timed(fns[f"{backend}_bwd"], *args, out_r, lse_r, reps=r) * 1e3
+    row[f"{backend}_fwd_bwd_ms"] = timed(fns[f"{backend}_fwd_bwd"], *args, reps=r) * 1e3
+    row[f"{backend}_fwd_tflops"] = fwd_flops / row[f"{backend}_fwd_ms"] / 1e9
+    row[f"{backend}_bwd_tflops"] = bwd_flops / row[f"{backend}_bwd_ms"] / 1e9
+    row[f"{backend}_fwd_bwd_tflops"] = (fwd_flops + bwd_flops) / row[f"{backend}_fwd_bwd_ms"] / 1e9
+    row[f"{backend}_fwd_bwd_temp_gb"] = temp_gb(variants(shape, scale, fwd_config, bwd_config)[f"{backend}_fwd_bwd"], *args)
+  row.update(loss_pieces(shape, x, scale, out_r, lse_r, reps, skip_reference))
+  return row
+
+
+def loss_pieces(shape: Shape, x, scale, out, lse, reps, skip_reference):
+  """The sparse indexer loss (fwd + bwd to the indexer) with the teacher from each backend, and the
+  teacher alone on 1024 query rows (the loss's chunk)."""
+  idx, q, k = x["idx"], x["q"], x["k"]
+  rows = slice(max(q.shape[1] - 1024, 0), q.shape[1])  # the last rows: the full k selected keys each
+  teacher = {"pallas": jax.jit(lambda q, k, lse, i: attention_teacher_pallas(q, k, lse, i, scale=scale)),
+             "reference": jax.jit(lambda q, k, lse, i: teacher_mass_reference(q, k, lse, i, scale=scale))}
+  tq, tl, ti = q[:, rows], lse[:, rows], idx[:, rows]
+  got = {}
+  result = {}
+  for backend in ("pallas",) + (() if skip_reference else ("reference",)):
+    got[backend] = teacher[backend](tq, k, tl, ti)
+    result[f"teacher_1k_rows_{backend}_ms"] = timed(teacher[backend], tq, k, tl, ti, reps=reps) * 1e3
+
+    def loss(iq, ik, iw, backend=backend):
+      return ops.indexer_loss(iq, ik, iw, q, k, lse, idx, attn_scale=scale, index_scale=shape.index_dim**-0.5,
+                              backend=backend)
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    r = 1 if backend == "reference" and q.shape[1] > 16384 else reps
+    result[f"indexer_loss_{backend}_ms"] = timed(fn, x["iq"], x["ik"], x["iw"], reps=r) * 1e3
+  if "reference" in got:
+    result["teacher_rel_err"] = rel_err(got["pallas"], got["reference"])
+  return result
+
+
+def run_dense_teacher(shape: Shape, T, reps):
+  """The dense warm-up loss (streamed over key chunks, no [T, T]) at T: fwd + bwd to the indexer."""
+  x = make_inputs(shape, T)
+  scale = shape.Dk**-0.5
+
+  def loss(iq, ik, iw):
+    return indexer_loss_reference(iq, ik, iw, x["q"], x["k"], None, None, attn_scale=scale,
+                                  index_scale=shape.index_dim**-0.5, query_chunk=256, key_chunk=1024)
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  return dict(dense_warmup_loss_ms=timed(fn, x["iq"], x["ik"], x["iw"], reps=reps) * 1e3)
+
+
+def run_check():
+  """Pallas vs reference on the GPU in f32 (tight) and bf16, and the dk/dv spread between two runs."""
+  for name, T in (("mla64", 2048), ("v4", 2048), ("qsa", 2048)):
+    shape = SHAPES[name]
+    for dtype in (jnp.float32, jnp.bfloat16):
+      x = make_inputs(shape, T, seed=1, dtype=dtype)
+      scale = shape.Dk**-0.5
+      fns = {n: jax.jit(f) for n, f in variants(shape, scale).items()}
+      args = (x["q"], x["k"], x["v"], x["idx"], x["sinks"], x["dout"])
+      out_r, lse_r = fns["reference_fwd"](*args)
+      g_r = fns["reference_bwd"](*args, out_r, lse_r)
+      poison(out_r, lse_r)
+      out_p, lse_p = fns["pallas_fwd"](*args)
+      poison(*g_r)
+      g_p = fns["pallas_bwd"](*args, out_r, lse_r)
+      g_p2 = fns["pallas_bwd"](*args, out_r, lse_r)
+      errs = {f"d{n}": f"{rel_err(a, b):.2e}" for n, a, b in zip("qkvs", g_p, g_r) if b is not None}
+      spread = {f"d{n}": float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                for n, a, b in zip("kv", g_p[1:3], g_p2[1:3])}
+      print(f"check {name} T={T} {jnp.dtype(dtype).name}: out rel {rel_err(out_p, out_r):.2e}, "
+            f"lse max abs {float(jnp.max(jnp.abs(lse_p - lse_r))):.2e}, grads rel {errs}, "
+            f"run-to-run max |diff| {spread}", flush=True)
+
+
+TUNE_CONFIGS = [
+    Config(block_h=64, block_k=16, num_warps=8, num_stages=1),
+    Config(block_h=64, block_k=16, num_warps=4, num_stages=1),
+    Config(block_h=64, block_k=32, num_warps=8, num_stages=1),
+    Config(block_h=64, block_k=16, num_warps=8, num_stages=2),
+    Config(block_h=32, block_k=16, num_warps=4, num_stages=1),
+    Config(block_h=32, block_k=32, num_warps=4, num_stages=2),
+    Config(block_h=128, block_k=16, num_warps=8, num_stages=1),
+]
+
+
+def run_tune(name, T, reps):
+  shape = SHAPES[name]
+  x = make_inputs(shape, T)
+  scale = shape.Dk**-0.5
+  args = (x["q"], x["k"], x["v"], x["idx"], x["sinks"], x["dout"])
+  out, lse = jax.jit(variants(shape, scale)["reference_fwd"])(*args)
+  want = jax.jit(variants(shape, scale)["reference_bwd"])(*args, out, lse)
+  _, bwd_flops = flops(shape, T)
+  for config in TUNE_CONFIGS:
+    if config.block_h > shape.H // shape.G * 2:
+      continue
+    fn = jax.jit(variants(shape, scale, bwd_config=config)["pallas_bwd"])
+    try:
+      got = fn(*args, out, lse)
+    except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+      print(f"tune {name} T={T} {config}: failed: {str(e).splitlines()[0][:200]}", flush=True)
+      continue
+    err = rel_err(got[1], want[1])
+    ms = timed(fn, *args, out, lse, reps=reps) * 1e3
+    print(f"tune {name} T={T} bwd {config}: {ms:.2f} ms = {bwd_flops / ms / 1e9:.1f} TFLOP/s, dk rel err {err:.1e}",
+          flush=True)
 
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--seq", type=int, nargs="+", default=[16384])
-  parser.add_argument("--heads", type=int, nargs="+", default=[64, 128])
+  parser.add_argument("mode", choices=["check", "tune", "table"])
+  parser.add_argument("--shapes", nargs="+", default=["mla64", "mla128", "v4", "qsa"])
+  parser.add_argument("--shape", default="mla64")
+  parser.add_argument("--seq", type=int, nargs="+", default=[16384, 65536])
+  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--dense-seq", type=int, default=16384, help="T for the dense warm-up loss (0: skip)")
+  parser.add_argument("--skip-reference-above", type=int, default=1 << 30)
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device, in seconds")
   parser.add_argument("--out", default="")
   args = parser.parse_args()
   print("device:", jax.devices()[0].device_kind, flush=True)
+  if args.mode == "check":
+    return run_check()
+  if args.mode == "tune":
+    for T in args.seq:
+      run_tune(args.shape, T, args.reps)
+    return
+  shapes, seqs, dense_seq = args.shapes, args.seq, args.dense_seq
+  if args.smoke:
+    shapes, seqs, dense_seq = ["smoke"], [48], 48
   rows = []
-  for T in args.seq:
-    for H in args.heads:
-      new = run(T, H)
-      rows += new
-      for r in new:
-        print(f"T={T:6d} H={H:3d} {r['variant']:20s} {r['seconds']*1e3:9.2f} ms {r['tflops']:7.1f} TFLOP/s"
-              f"  (pallas vs reference: rel err {r['rel_err_vs_reference']:.2e}, lse {r['lse_max_abs_err']:.2e})",
-              flush=True)
+  for name in shapes:
+    for T in seqs:
+      row = run_shape(name, SHAPES[name], T, args.reps, skip_reference=T > args.skip_reference_above)
+      rows.append(row)
+      ref = lambda key: row.get(f"reference_{key}", float("nan"))
+      print(f"{name:6s} T={T:6d} | fwd pallas {row['pallas_fwd_ms']:8.2f} ms {row['pallas_fwd_tflops']:6.1f} TF/s"
+            f" ref {ref('fwd_tflops'):5.1f} | bwd pallas {row['pallas_bwd_ms']:8.2f} ms"
+            f" {row['pallas_bwd_tflops']:6.1f} TF/s ref {ref('bwd_tflops'):5.1f}"
+            f" | fwd+bwd {row['pallas_fwd_bwd_ms']:8.2f} ms vs ref {ref('fwd_bwd_ms'):8.2f} ms"
+            f" | temp GB pallas {row['pallas_fwd_bwd_temp_gb']:.2f} ref {ref('fwd_bwd_temp_gb'):.2f}"
+            f" | teacher 1k rows {row['teacher_1k_rows_pallas_ms']:.2f} ms ref"
+            f" {row.get('teacher_1k_rows_reference_ms', float('nan')):.2f} | indexer loss fwd+bwd"
+            f" {row['indexer_loss_pallas_ms']:.1f} ms ref {row.get('indexer_loss_reference_ms', float('nan')):.1f}"
+            f" | errors {json.dumps({k: float(f'{v:.2e}') for k, v in row['errors'].items()})}", flush=True)
+    if dense_seq:
+      dense = run_dense_teacher(SHAPES[name], dense_seq, args.reps)
+      rows.append(dict(shape=name, T=dense_seq, **dense))
+      print(f"{name:6s} T={dense_seq:6d} | dense warm-up indexer loss fwd+bwd (reference, streamed): "
+            f"{dense['dense_warmup_loss_ms']:.1f} ms", flush=True)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)

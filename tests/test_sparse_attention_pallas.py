@@ -1,4 +1,4 @@
-"""The Pallas sparse-attention forward (interpret mode on CPU) against the float64 oracle."""
+"""The Pallas sparse-attention kernels (interpret mode on CPU) against the float64 oracle and the reference."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from hyscale_jax import ops, remat
-from pallas_kernels.sparse_attention import Config, sparse_attention_forward_pallas
+from pallas_kernels.sparse_attention import (
+    Config,
+    attention_teacher_pallas,
+    sparse_attention_backward_pallas,
+    sparse_attention_forward_pallas,
+)
 
 try:
   from tests.oracles import sparse_attention_grads_oracle, sparse_attention_oracle
@@ -18,6 +23,8 @@ _CASES = {
     "mqa_absorbed_like": (2, 5, 11, 4, 1, 12, 8, 6, False, Config(block_k=4)),  # Dk = 8 + 4, like 512 + 64
     "gqa_sinks": (1, 7, 16, 4, 2, 8, 8, 9, True, Config(block_h=2, block_k=4)),
     "mqa_sinks_ragged": (2, 3, 37, 8, 1, 16, 16, 19, True, Config()),
+    # 3 heads per group are padded to 4 (QSA's 12 become 16 on the GPU); K = 11 pads to 12.
+    "gqa_padded_heads": (1, 6, 9, 6, 2, 8, 4, 11, True, Config(block_h=2, block_k=4)),
 }
 
 
@@ -105,3 +112,93 @@ def test_kernel_runs_once_per_layer_under_selection_replay():
 def test_config_rejects_non_power_of_two_blocks():
   with pytest.raises(ValueError, match="block_k"):
     Config(block_k=48)
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_backward_kernel_matches_oracle(case):
+  """dq, dk, dv and dsinks from the kernel for L = sum(out * dout) + sum(lse * dlse)."""
+  B, T, S, H, G, Dk, Dv, K, sinks, config = _CASES[case]
+  rng = np.random.default_rng(5)
+  q, k, v, idx, s = _inputs(rng, B, T, S, H, G, Dk, Dv, K, sinks)
+  idx[-1, 1, :] = idx[-1, 1, 0]  # a row that selects one key K times: K atomic adds to one row
+  dout = rng.standard_normal((B, T, H, Dv)).astype(np.float32)
+  dlse = rng.standard_normal((B, T, H)).astype(np.float32)
+  out, lse = sparse_attention_forward_pallas(q, k, v, idx, scale=0.3, sinks=s, config=config)
+  grads = sparse_attention_backward_pallas((q, k, v, idx, s, out, lse), (dout, dlse), scale=0.3, config=config)
+  expected = sparse_attention_grads_oracle(q, k, v, idx, dout, dlse, scale=0.3, sinks=s)
+  assert (grads[3] is None) == (s is None)
+  for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, expected):
+    if want is None:
+      continue
+    assert got.shape == want.shape, name
+    np.testing.assert_allclose(got, want, atol=2e-6 * np.abs(want).max(), rtol=1e-4, err_msg=name)
+
+
+def test_backward_kernel_leaves_unselected_keys_at_zero():
+  q, k, v, idx, _ = _inputs(np.random.default_rng(6), 1, 4, 32, 4, 1, 8, 8, 5, False)
+  idx[:] = np.clip(idx, -1, 15)  # keys 16.. are never selected
+  dout = np.ones((1, 4, 4, 8), np.float32)
+  out, lse = sparse_attention_forward_pallas(q, k, v, idx, scale=0.5)
+  _, dk, dv, _ = sparse_attention_backward_pallas((q, k, v, idx, None, out, lse), (dout, np.zeros_like(lse)),
+                                                  scale=0.5)
+  assert not np.asarray(dk[:, 16:]).any() and not np.asarray(dv[:, 16:]).any()
+  assert np.asarray(dv[:, :16]).any()
+
+
+def test_bf16_backward_matches_reference():
+  q, k, v, idx, s = _inputs(np.random.default_rng(7), 1, 6, 24, 8, 1, 24, 16, 10, True)
+  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+  dout = jnp.asarray(np.random.default_rng(8).standard_normal((1, 6, 8, 16)), jnp.bfloat16)
+
+  def grads(backend):
+    f = lambda q, k, v, s: jnp.sum(ops.sparse_attention(q, k, v, idx, scale=0.2, sinks=s, backend=backend)[0]
+                                   .astype(jnp.float32) * dout.astype(jnp.float32))
+    return jax.grad(f, argnums=(0, 1, 2, 3))(q, k, v, s)
+
+  for got, want in zip(grads("pallas"), grads("reference")):
+    assert got.dtype == want.dtype
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max(), rtol=2e-2)
+
+
+@pytest.mark.parametrize("case", ["mqa_absorbed_like", "gqa_sinks", "gqa_padded_heads"])
+def test_teacher_kernel_matches_oracle(case):
+  """sum_h exp(s - lse) at every selected key, from the forward's lse (float64 oracle)."""
+  B, T, S, H, G, Dk, Dv, K, sinks, config = _CASES[case]
+  q, k, v, idx, s = _inputs(np.random.default_rng(9), B, T, S, H, G, Dk, Dv, K, sinks)
+  _, lse = sparse_attention_forward_pallas(q, k, v, idx, scale=0.3, sinks=s, config=config)
+  got = np.asarray(attention_teacher_pallas(q, k, lse, idx, scale=0.3, config=config))
+  q64, k64 = np.asarray(q, np.float64), np.asarray(np.repeat(k, H // G, axis=2), np.float64)
+  safe = np.clip(idx, 0, S - 1)
+  k_sel = np.take_along_axis(k64[:, None], safe[:, :, :, None, None], axis=2)  # [B, T, K, H, Dk]
+  logits = 0.3 * np.einsum("bthd,btkhd->bthk", q64, k_sel)
+  lse64 = np.asarray(lse, np.float64)
+  probs = np.exp(logits - np.where(np.isfinite(lse64), lse64, 0.0)[..., None])
+  want = np.where((idx >= 0) & (idx < S), probs.sum(axis=2), 0.0)
+  assert got.shape == (B, T, K)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert (got[0, 0] == 0).all()  # the empty row
+
+
+def test_indexer_loss_pallas_backend_matches_reference():
+  rng = np.random.default_rng(10)
+  B, T, S, HI, DI, H, Dk, K = 1, 9, 12, 2, 8, 4, 8, 5
+  iq, ik, iw = (jnp.asarray(rng.standard_normal(sh), jnp.float32) for sh in ((B, T, HI, DI), (B, S, DI), (B, T, HI)))
+  aq, ak = jnp.asarray(rng.standard_normal((B, T, H, Dk)), jnp.float32), jnp.asarray(rng.standard_normal((B, S, 1, Dk)), jnp.float32)
+  idx = rng.integers(0, S, (B, T, K)).astype(np.int32)
+  idx[0, 0, :] = -1
+  idx[0, 1, 1] = idx[0, 1, 0]
+  _, lse = ops.sparse_attention(aq, ak, ak, idx, scale=0.3)
+
+  def loss(backend):
+    f = lambda iq, ik, iw: ops.indexer_loss(iq, ik, iw, aq, ak, lse, idx, attn_scale=0.3, index_scale=0.5,
+                                            backend=backend)
+    return jax.value_and_grad(f, argnums=(0, 1, 2))(iq, ik, iw)
+
+  (got, got_grads), (want, want_grads) = loss("pallas"), loss("reference")
+  assert float(want) > 1e-3
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for g, w in zip(got_grads, want_grads):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6 * np.abs(w).max())
+  with pytest.raises(NotImplementedError, match="sparse form"):
+    ops.indexer_loss(iq, ik, iw, aq, ak, lse, None, attn_scale=0.3, backend="pallas")

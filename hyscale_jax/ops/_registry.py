@@ -34,13 +34,15 @@ class BackendRegistry:
     self.implementations: dict[str, Callable[..., Any]] = dict(implementations)
     self._auto_order = {k: tuple(v) for k, v in auto_order.items()}
 
-  def register_optional(self, name: str, module: str, attribute: str, wrap=None) -> None:
-    """Registers `module.attribute` (or `wrap` of it) as backend `name` if the module imports."""
+  def register_optional(self, name: str, module: str, attribute: str | tuple[str, ...], wrap=None) -> None:
+    """Registers `module.attribute` (or `wrap(*attributes)`) as backend `name` if the module imports."""
+    names = (attribute,) if isinstance(attribute, str) else attribute
     try:
-      implementation = getattr(importlib.import_module(module), attribute)
+      loaded = importlib.import_module(module)
+      parts = [getattr(loaded, n) for n in names]
     except ImportError:
       return
-    self.implementations[name] = implementation if wrap is None else wrap(implementation)
+    self.implementations[name] = parts[0] if wrap is None else wrap(*parts)
 
   def candidates(self, backend: str) -> tuple[str, ...]:
     """The implementation names to try, in order, for `backend`.

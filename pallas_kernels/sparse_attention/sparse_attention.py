@@ -1,15 +1,34 @@
-"""Pallas (Triton-style) sparse attention forward: one query token per program, heads as rows, gathered KV.
+"""Pallas (Triton-style) sparse attention over gathered indices: forward, backward and the teacher.
 
-Each program takes one token's block of `block_h` heads of one KV group (in MQA all heads share the
-group, so every gathered key row serves them all), walks its selected indices `block_k` at a time,
-gathers those key and value rows, and keeps an online softmax. It writes `out` and the f32 `lse`
-(including the sink) that the backward pass and the indexer loss reuse. `hyscale_jax.ops` pairs it
-with the reference backward for now (STYLE's `backward_impl="xla"`), which reads the saved out/lse.
+Every kernel here runs one program per (query token, block of `block_h` heads of one KV group). In
+MQA (absorbed MLA, DeepSeek-V4) all heads share the group, so each gathered key row serves them
+all. A program walks the token's selected indices `block_k` at a time and gathers those key and
+value rows by integer-array loads.
 
-Triton wants power-of-two tensor shapes, so the wrapper splits the key head dim into power-of-two
-parts (576 = 512 + 64 for absorbed MLA), pads the selection to a multiple of `block_k` with -1 and
-the key length to a power of two; it declines (NotImplementedError) a value head dim that is not a
-power of two.
+- Forward: online softmax; writes `out` and the f32 `lse` (sink included) that the backward and
+  the indexer loss reuse.
+- Backward: recomputes `P = exp(S - lse)` from the saved `lse` (no second softmax), forms
+  `dS = P * (dP - delta)` with `delta = rowsum(dO * O) - dlse`, and writes `dq` directly. `dk`
+  and `dv` rows are scattered to the gathered positions with f32 atomic adds into f32
+  accumulators. Atomic order varies between runs, so dk/dv are not bitwise reproducible on the GPU:
+  each element is a sum of n f32 terms in some order, so two runs differ by at most
+  `2 (n - 1) 2^-24 sum |terms|` (Higham's bound for recursive summation), n being how many
+  (query, head) pairs selected that key. The inverted alternative (key-outer, FSA-style) reads a
+  whole [H, Dk] query row per selected pair instead of writing one [Dk] gradient row, 64-128x the
+  bytes in MQA mode, so it loses here.
+- Teacher (indexer loss): `sum_h exp(S - lse)` at each selected key, the DSA distillation target,
+  from the saved `lse` without writing per-head probabilities.
+
+Triton wants power-of-two tensor shapes, so the wrappers split the key head dim into power-of-two
+parts (576 = 512 + 64 for absorbed MLA), pad the selection to a multiple of `block_k` with -1, the
+key length to a power of two, and each group's heads to a multiple of `block_h` (QSA's 12 heads per
+group become 16). They decline (NotImplementedError) a value head dim that is not a power of two.
+
+Interpret mode (CPU tests) runs the same kernels, with one difference in the scatter: Pallas's
+interpret rule for `atomic_add` reads all lanes, then writes all lanes, so two lanes with the same
+row would lose an update, and it has no masks. So in interpret mode duplicate rows within a block
+are summed into their first occurrence first, and skipped lanes point past the accumulator (the
+write is dropped); on the GPU the hardware atomics take duplicates as they come and masks skip lanes.
 """
 
 from __future__ import annotations
@@ -43,6 +62,12 @@ class Config:
       block_k //= 2
     return cls(block_k=block_k)
 
+  @classmethod
+  def backward_heuristics(cls, Dk: int, Dv: int, itemsize: int) -> "Config":
+    """The backward holds q, dout and the f32 dq accumulator per program: smaller key steps."""
+    del Dk, Dv, itemsize
+    return cls(block_h=64, block_k=16, num_warps=8, num_stages=1)
+
   def __post_init__(self):
     for name in ("block_h", "block_k"):
       value = getattr(self, name)
@@ -59,7 +84,152 @@ def _next_power_of_two(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
-def _sparse_attention_fwd_kernel(*refs, n_parts, scale, num_keys, block_k, has_sinks, precise):
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """How [B, T, H, Dk] x [B, S, G, Dk] becomes power-of-two blocks; shared by every kernel here."""
+
+  B: int
+  T: int
+  H: int
+  G: int
+  S: int
+  Dk: int
+  Dv: int | None
+  K: int
+  block_h: int
+  block_k: int
+  interpret: bool
+
+  @classmethod
+  def make(cls, q, k, v_dim: int | None, indices, config: Config, interpret: bool) -> "_Layout":
+    B, T, H, Dk = q.shape
+    S, G = k.shape[1], k.shape[2]
+    if v_dim is not None and v_dim & (v_dim - 1):
+      raise NotImplementedError(f"pallas sparse_attention needs a power-of-two value dim, got Dv={v_dim}.")
+    block_h = min(config.block_h, _next_power_of_two(H // G))
+    if not interpret:
+      block_h = max(block_h, 16)  # tl.dot needs every matmul dim >= 16; padded heads fill the rest
+    block_k = min(config.block_k, _next_power_of_two(indices.shape[2]))
+    layout = cls(B, T, H, G, S, Dk, v_dim, indices.shape[2], block_h, block_k, interpret)
+    if not interpret and min(block_k, v_dim or 16, *layout.parts) < 16:
+      raise NotImplementedError(
+          f"pallas sparse_attention needs >= 16 selected keys and head-dim parts on GPU; got "
+          f"block_k={block_k}, Dk parts {layout.parts}, Dv={v_dim}.")
+    return layout
+
+  @property
+  def parts(self) -> tuple[int, ...]:
+    return _power_of_two_parts(self.Dk)
+
+  @property
+  def offsets(self) -> tuple[int, ...]:
+    return tuple(sum(self.parts[:i]) for i in range(len(self.parts)))
+
+  @property
+  def heads_per_group(self) -> int:
+    return self.H // self.G
+
+  @property
+  def padded_heads_per_group(self) -> int:
+    return -(-self.heads_per_group // self.block_h) * self.block_h
+
+  @property
+  def H_pad(self) -> int:
+    return self.G * self.padded_heads_per_group
+
+  @property
+  def K_pad(self) -> int:
+    return -(-self.K // self.block_k) * self.block_k
+
+  @property
+  def S_pad(self) -> int:
+    return _next_power_of_two(self.S)
+
+  @property
+  def grid(self) -> tuple[int, int, int]:
+    return (self.B, self.T, self.H_pad // self.block_h)
+
+  def group(self, h):
+    return h * self.block_h // self.padded_heads_per_group
+
+  # Padding and unpadding.
+  def pad_heads(self, x, value=0):
+    """[B, T, H, ...] -> [B, T, H_pad, ...], each group's heads padded to a multiple of block_h."""
+    if self.H_pad == self.H:
+      return x
+    x = x.reshape(x.shape[:2] + (self.G, self.heads_per_group) + x.shape[3:])
+    widths = [(0, 0)] * x.ndim
+    widths[3] = (0, self.padded_heads_per_group - self.heads_per_group)
+    return jnp.pad(x, widths, constant_values=value).reshape(x.shape[:2] + (self.H_pad,) + x.shape[4:])
+
+  def unpad_heads(self, x):
+    if self.H_pad == self.H:
+      return x
+    x = x.reshape(x.shape[:2] + (self.G, self.padded_heads_per_group) + x.shape[3:])
+    return x[:, :, :, : self.heads_per_group].reshape(x.shape[:2] + (self.H,) + x.shape[4:])
+
+  def pad_sinks(self, sinks):
+    """[H] -> [H_pad] f32 (padded heads get sink 0; their rows are discarded)."""
+    return self.pad_heads(sinks.astype(jnp.float32)[None, None])[0, 0]
+
+  def pad_indices(self, indices):
+    return jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, self.K_pad - self.K)), constant_values=-1)
+
+  def pad_keys(self, x):
+    return jnp.pad(x, ((0, 0), (0, self.S_pad - self.S), (0, 0), (0, 0)))
+
+  def split_dim(self, x):
+    """[..., Dk] -> the power-of-two parts of the last axis."""
+    return [x[..., o : o + d] for o, d in zip(self.offsets, self.parts)]
+
+  # BlockSpecs over the grid (b, t, h).
+  def head_rows(self, d=None):
+    """This program's [block_h, d] (or [block_h] if d is None) rows of a [B, T, H_pad, (d)] array."""
+    if d is None:
+      return pl.BlockSpec((None, None, self.block_h), lambda b, t, h: (b, t, h))
+    return pl.BlockSpec((None, None, self.block_h, d), lambda b, t, h: (b, t, h, 0))
+
+  def group_keys(self, d):
+    """This program's group's whole [S_pad, d] slab of a [B, S_pad, G, d] array."""
+    return pl.BlockSpec((None, self.S_pad, None, d), lambda b, t, h: (b, 0, self.group(h), 0))
+
+  def token_indices(self):
+    return pl.BlockSpec((None, None, self.K_pad), lambda b, t, h: (b, t, 0))
+
+  def sink_block(self):
+    return pl.BlockSpec((self.block_h,), lambda b, t, h: (h,))
+
+  def params(self, config: Config):
+    return plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _resolve(config, default, interpret):
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  return config or default, interpret
+
+
+def _gathered_logits(qs, k_refs, safe, precision):
+  """f32 [block_h, block_k]: sum over head-dim parts of q_i @ k_i[safe]^T."""
+  s = None
+  for q, k_ref in zip(qs, k_refs):
+    part = jax.lax.dot_general(q, k_ref[safe, :], (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32, precision=precision)
+    s = part if s is None else s + part
+  return s
+
+
+def _selected(idx_ref, j, block_k, num_keys):
+  ids = idx_ref[pl.ds(j * block_k, block_k)]
+  valid = (ids >= 0) & (ids < num_keys)
+  return valid, jnp.where(valid, ids, 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward.
+
+
+def _forward_kernel(*refs, n_parts, scale, num_keys, block_k, has_sinks, precise):
   # Inputs: q parts [block_h, d_i] ..., k parts [S_pad, d_i] ..., v [S_pad, Dv], indices [K_pad],
   # sinks [block_h] (if any). Outputs: out [block_h, Dv], lse [block_h].
   q_refs, k_refs = refs[:n_parts], refs[n_parts : 2 * n_parts]
@@ -72,15 +242,8 @@ def _sparse_attention_fwd_kernel(*refs, n_parts, scale, num_keys, block_k, has_s
 
   def step(j, carry):
     m, l, acc = carry
-    ids = idx_ref[pl.ds(j * block_k, block_k)]  # [block_k]
-    valid = (ids >= 0) & (ids < num_keys)
-    safe = jnp.where(valid, ids, 0)
-    s = jnp.zeros((block_h, block_k), jnp.float32)
-    for q, k_ref in zip(qs, k_refs):
-      k = k_ref[safe, :]  # gathered [block_k, d_i]
-      s += jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                               precision=precision)
-    s = jnp.where(valid[None, :], s * scale, -jnp.inf)
+    valid, safe = _selected(idx_ref, j, block_k, num_keys)
+    s = jnp.where(valid[None, :], _gathered_logits(qs, k_refs, safe, precision) * scale, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1))
     p = jnp.exp(s - m_new[:, None])  # masked entries: exp(-inf) = 0
     correction = jnp.exp(m - m_new)
@@ -113,55 +276,201 @@ def sparse_attention_forward_pallas(q, k, v, indices, *, scale, sinks=None, conf
     NotImplementedError: Dv is not a power of two, or (compiled for the GPU) a matmul dim would be
       under 16; "auto" then uses the reference backend.
   """
-  config = config or Config.heuristics(q.shape[-1], v.shape[-1], jnp.dtype(k.dtype).itemsize)
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
-  B, T, H, Dk = q.shape
-  S, G, Dv = k.shape[1], k.shape[2], v.shape[3]
-  if Dv & (Dv - 1):
-    raise NotImplementedError(f"pallas sparse_attention needs a power-of-two value dim, got {Dv=}.")
-  heads_per_group = H // G
-  block_h = min(config.block_h, heads_per_group & -heads_per_group)  # a power of two dividing H // G
-  K = indices.shape[2]
-  block_k = min(config.block_k, _next_power_of_two(K))
-  K_pad = -(-K // block_k) * block_k
-  S_pad = _next_power_of_two(S)
-  indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, K_pad - K)), constant_values=-1)
-  k = jnp.pad(k, ((0, 0), (0, S_pad - S), (0, 0), (0, 0)))
-  v = jnp.pad(v, ((0, 0), (0, S_pad - S), (0, 0), (0, 0)))
-  parts = _power_of_two_parts(Dk)
-  if not interpret and min(block_h, block_k, Dv, *parts) < 16:
-    raise NotImplementedError(  # tl.dot needs every matmul dim >= 16 on the GPU
-        f"pallas sparse_attention needs >= 16 heads per group, selected keys and head-dim parts on GPU; "
-        f"got block_h={block_h}, block_k={block_k}, Dk parts {parts}, {Dv=}.")
-  offsets = [sum(parts[:i]) for i in range(len(parts))]
-  q_parts = [q[..., o : o + d] for o, d in zip(offsets, parts)]
-  k_parts = [k[..., o : o + d] for o, d in zip(offsets, parts)]
-
-  group = lambda h: h * block_h // heads_per_group
-  in_specs = (
-      [pl.BlockSpec((None, None, block_h, d), lambda b, t, h: (b, t, h, 0)) for d in parts]
-      + [pl.BlockSpec((None, S_pad, None, d), lambda b, t, h: (b, 0, group(h), 0)) for d in parts]
-      + [pl.BlockSpec((None, S_pad, None, Dv), lambda b, t, h: (b, 0, group(h), 0)),
-         pl.BlockSpec((None, None, K_pad), lambda b, t, h: (b, t, 0))]
-  )
-  operands = [*q_parts, *k_parts, v, indices]
+  config, interpret = _resolve(config, Config.heuristics(q.shape[-1], v.shape[-1], jnp.dtype(k.dtype).itemsize),
+                               interpret)
+  lay = _Layout.make(q, k, v.shape[-1], indices, config, interpret)
+  in_specs = ([lay.head_rows(d) for d in lay.parts] + [lay.group_keys(d) for d in lay.parts]
+              + [lay.group_keys(lay.Dv), lay.token_indices()])
+  operands = [*lay.split_dim(lay.pad_heads(q)), *lay.split_dim(lay.pad_keys(k)), lay.pad_keys(v),
+              lay.pad_indices(indices)]
   if sinks is not None:
-    in_specs.append(pl.BlockSpec((block_h,), lambda b, t, h: (h,)))
-    operands.append(sinks.astype(jnp.float32))
+    in_specs.append(lay.sink_block())
+    operands.append(lay.pad_sinks(sinks))
   kernel = functools.partial(
-      _sparse_attention_fwd_kernel, n_parts=len(parts), scale=float(scale), num_keys=S, block_k=block_k,
+      _forward_kernel, n_parts=len(lay.parts), scale=float(scale), num_keys=lay.S, block_k=lay.block_k,
       has_sinks=sinks is not None, precise=q.dtype == jnp.float32)
   out, lse = pl.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((B, T, H, Dv), q.dtype), jax.ShapeDtypeStruct((B, T, H), jnp.float32)),
-      grid=(B, T, H // block_h),
+      out_shape=(jax.ShapeDtypeStruct((lay.B, lay.T, lay.H_pad, lay.Dv), q.dtype),
+                 jax.ShapeDtypeStruct((lay.B, lay.T, lay.H_pad), jnp.float32)),
+      grid=lay.grid,
       in_specs=in_specs,
-      out_specs=(pl.BlockSpec((None, None, block_h, Dv), lambda b, t, h: (b, t, h, 0)),
-                 pl.BlockSpec((None, None, block_h), lambda b, t, h: (b, t, h))),
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+      out_specs=(lay.head_rows(lay.Dv), lay.head_rows()),
+      compiler_params=lay.params(config),
       interpret=interpret,
       name="hyscale_sparse_attention_fwd",
   )(*operands)
-  return out, lse
+  return lay.unpad_heads(out), lay.unpad_heads(lse)
 
+
+# ------------------------------------------------------------------------------------------------
+# Backward.
+
+
+def _scatter_add(acc_ref, rows, valid, values, interpret):
+  """acc_ref[rows[j], :] += values[j, :] for valid j, with duplicate rows adding once each."""
+  n, d = values.shape
+  if interpret:
+    # Fold duplicates into their first occurrence (the interpret rule would keep only one), and
+    # point every other lane past the accumulator, where the write is dropped.
+    same = (rows[:, None] == rows[None, :]) & valid[:, None] & valid[None, :]
+    earlier = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1) < jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    first = valid & ~jnp.any(same & earlier, axis=1)
+    values = jax.lax.dot_general((same & first[:, None]).astype(jnp.float32), values,
+                                 (((1,), (0,)), ((), ())), precision=_HIGHEST)
+    rows = jnp.where(first, rows, acc_ref.shape[0])
+    mask = None
+  else:
+    mask = jnp.broadcast_to(valid[:, None], (n, d))
+  cols = jax.lax.broadcasted_iota(jnp.int32, (n, d), 1)
+  plgpu.atomic_add(acc_ref, (jnp.broadcast_to(rows[:, None], (n, d)), cols), values, mask=mask)
+
+
+def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, precise, interpret):
+  # Inputs: q parts [block_h, d_i] ..., k parts [S_pad, d_i] ..., v [S_pad, Dv], indices [K_pad],
+  # dout [block_h, Dv], lse [block_h], delta [block_h], then the aliased zero accumulators.
+  # Outputs: dq parts [block_h, d_i] ..., dk parts f32[S_pad, d_i] ..., dv f32[S_pad, Dv].
+  q_refs, k_refs = refs[:n_parts], refs[n_parts : 2 * n_parts]
+  v_ref, idx_ref, do_ref, lse_ref, delta_ref = refs[2 * n_parts : 2 * n_parts + 5]
+  outs = refs[-(2 * n_parts + 1):]
+  dq_refs, dk_refs, dv_ref = outs[:n_parts], outs[n_parts : 2 * n_parts], outs[-1]
+  precision = _HIGHEST if precise else None
+  qs = [r[...] for r in q_refs]
+  do = do_ref[...]
+  lse = lse_ref[...]
+  lse = jnp.where(lse > -jnp.inf, lse, 0.0)  # an empty row has no valid entry: p is 0 regardless
+  delta = delta_ref[...]
+
+  def step(j, dqs):
+    valid, safe = _selected(idx_ref, j, block_k, num_keys)
+    s = _gathered_logits(qs, k_refs, safe, precision) * scale
+    p = jnp.where(valid[None, :], jnp.exp(s - lse[:, None]), 0.0)  # [block_h, block_k]
+    v = v_ref[safe, :]
+    dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                             precision=precision)
+    ds = p * (dp - delta[:, None])
+    dv = jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32, precision=precision)
+    _scatter_add(dv_ref, safe, valid, dv, interpret)
+    new_dqs = []
+    for q, k_ref, dk_ref, dq in zip(qs, k_refs, dk_refs, dqs):
+      k = k_ref[safe, :]
+      new_dqs.append(dq + jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
+                                              preferred_element_type=jnp.float32, precision=precision))
+      dk = jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32, precision=precision)
+      _scatter_add(dk_ref, safe, valid, dk * scale, interpret)
+    return tuple(new_dqs)
+
+  init = tuple(jnp.zeros(q.shape, jnp.float32) for q in qs)
+  dqs = jax.lax.fori_loop(0, idx_ref.shape[0] // block_k, step, init)
+  for dq_ref, dq in zip(dq_refs, dqs):
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def sparse_attention_backward_pallas(residuals, cotangents, *, scale, config: Config | None = None,
+                                     interpret: bool | None = None):
+  """Gradients (dq, dk, dv, dsinks) from the saved (q, k, v, indices, sinks, out, lse).
+
+  Args:
+    residuals: (q [B, T, H, Dk], k [B, S, G, Dk], v [B, S, G, Dv], indices int[B, T, K],
+      sinks f32[H] or None, out [B, T, H, Dv], lse f32[B, T, H]) as the forward saved them.
+    cotangents: (dout [B, T, H, Dv], dlse f32[B, T, H]).
+
+  Returns:
+    dq in q.dtype, dk in k.dtype, dv in v.dtype, dsinks in sinks' dtype (or None). dk and dv are
+    accumulated in f32 by atomic adds (see the module docstring for the run-to-run bound).
+  """
+  q, k, v, indices, sinks, out, lse = residuals
+  dout, dlse = cotangents
+  config, interpret = _resolve(
+      config, Config.backward_heuristics(q.shape[-1], v.shape[-1], jnp.dtype(k.dtype).itemsize), interpret)
+  lay = _Layout.make(q, k, v.shape[-1], indices, config, interpret)
+  # delta_t,h = <dout, out> - dlse: the softmax Jacobian's row term, with lse's own cotangent folded in.
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
+  in_specs = ([lay.head_rows(d) for d in lay.parts] + [lay.group_keys(d) for d in lay.parts]
+              + [lay.group_keys(lay.Dv), lay.token_indices(), lay.head_rows(lay.Dv), lay.head_rows(),
+                 lay.head_rows()])
+  operands = [*lay.split_dim(lay.pad_heads(q)), *lay.split_dim(lay.pad_keys(k)), lay.pad_keys(v),
+              lay.pad_indices(indices), lay.pad_heads(dout.astype(q.dtype)), lay.pad_heads(lse, -jnp.inf),
+              lay.pad_heads(delta)]
+  accumulators = [jnp.zeros((lay.B, lay.S_pad, lay.G, d), jnp.float32) for d in (*lay.parts, lay.Dv)]
+  n_in = len(operands)
+  outs = pl.pallas_call(
+      functools.partial(_backward_kernel, n_parts=len(lay.parts), scale=float(scale), num_keys=lay.S,
+                        block_k=lay.block_k, precise=q.dtype == jnp.float32, interpret=interpret),
+      out_shape=([jax.ShapeDtypeStruct((lay.B, lay.T, lay.H_pad, d), q.dtype) for d in lay.parts]
+                 + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in accumulators]),
+      grid=lay.grid,
+      in_specs=in_specs + [lay.group_keys(a.shape[-1]) for a in accumulators],
+      out_specs=([lay.head_rows(d) for d in lay.parts] + [lay.group_keys(a.shape[-1]) for a in accumulators]),
+      input_output_aliases={n_in + i: len(lay.parts) + i for i in range(len(accumulators))},
+      compiler_params=lay.params(config),
+      interpret=interpret,
+      name="hyscale_sparse_attention_bwd",
+  )(*operands, *accumulators)
+  n = len(lay.parts)
+  dq = lay.unpad_heads(jnp.concatenate(outs[:n], axis=-1))
+  dk = jnp.concatenate(outs[n : 2 * n], axis=-1)[:, : lay.S].astype(k.dtype)
+  dv = outs[-1][:, : lay.S].astype(v.dtype)
+  dsinks = None
+  if sinks is not None:
+    # The sink's probability exp(sink - lse) only meets the row term: dsink = -sum p_sink * delta.
+    p_sink = jnp.exp(sinks.astype(jnp.float32) - lse)
+    dsinks = (-jnp.sum(p_sink * delta, axis=(0, 1))).astype(sinks.dtype)
+  return dq, dk, dv, dsinks
+
+
+# ------------------------------------------------------------------------------------------------
+# The indexer loss's teacher.
+
+
+def _teacher_kernel(*refs, n_parts, scale, num_keys, block_k, precise):
+  # Inputs: q parts [block_h, d_i] ..., k parts [S_pad, d_i] ..., indices [K_pad], lse [block_h].
+  # Output: [K_pad] f32, this head block's sum_h exp(s - lse).
+  q_refs, k_refs = refs[:n_parts], refs[n_parts : 2 * n_parts]
+  idx_ref, lse_ref, out_ref = refs[2 * n_parts :]
+  precision = _HIGHEST if precise else None
+  qs = [r[...] for r in q_refs]
+  lse = lse_ref[...]
+  finite = lse > -jnp.inf  # padded heads and empty rows contribute nothing
+  lse = jnp.where(finite, lse, 0.0)
+
+  def step(j, carry):
+    valid, safe = _selected(idx_ref, j, block_k, num_keys)
+    s = _gathered_logits(qs, k_refs, safe, precision) * scale
+    p = jnp.where(valid[None, :] & finite[:, None], jnp.exp(s - lse[:, None]), 0.0)
+    out_ref[pl.ds(j * block_k, block_k)] = p.sum(axis=0)
+    return carry
+
+  jax.lax.fori_loop(0, idx_ref.shape[0] // block_k, step, 0)
+
+
+def attention_teacher_pallas(q, k, lse, indices, *, scale, config: Config | None = None,
+                             interpret: bool | None = None):
+  """f32[B, T, K]: `sum_h exp(scale <q[t,h], k[indices[t,j], g(h)]> - lse[t,h])`, 0 at invalid entries.
+
+  The DSA indexer loss's teacher mass at each selected key (divide by H for the head mean), read
+  from the attention's saved `lse`; heads are summed inside the kernel, so no per-head
+  probabilities reach memory.
+
+  Args:
+    q: bf16|f32[B, T, H, Dk]; k: bf16|f32[B, S, G, Dk]; lse: f32[B, T, H]; indices: int[B, T, K].
+  """
+  config, interpret = _resolve(config, Config.heuristics(q.shape[-1], 0, jnp.dtype(k.dtype).itemsize), interpret)
+  lay = _Layout.make(q, k, None, indices, config, interpret)
+  n_blocks = lay.grid[2]
+  partial_mass = pl.pallas_call(
+      functools.partial(_teacher_kernel, n_parts=len(lay.parts), scale=float(scale), num_keys=lay.S,
+                        block_k=lay.block_k, precise=q.dtype == jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((lay.B, lay.T, n_blocks, lay.K_pad), jnp.float32),
+      grid=lay.grid,
+      in_specs=([lay.head_rows(d) for d in lay.parts] + [lay.group_keys(d) for d in lay.parts]
+                + [lay.token_indices(), lay.head_rows()]),
+      out_specs=pl.BlockSpec((None, None, None, lay.K_pad), lambda b, t, h: (b, t, h, 0)),
+      compiler_params=lay.params(config),
+      interpret=interpret,
+      name="hyscale_sparse_attention_teacher",
+  )(*lay.split_dim(lay.pad_heads(q)), *lay.split_dim(lay.pad_keys(k)), lay.pad_indices(indices),
+    lay.pad_heads(lse, -jnp.inf))
+  return partial_mass.sum(axis=2)[..., : lay.K]

@@ -16,6 +16,26 @@ REGISTRY = BackendRegistry(
 )
 
 
+def _with_pallas_teacher(teacher_kernel):
+  """The sparse form with the teacher from the Pallas kernel; the rest is one fused XLA chunk.
+
+  Query chunks of 1024 rows keep the kernel's grid wide on the GPU while the XLA side (indexer
+  logits at the selected keys, [chunk, K, HI] f32) stays near 0.5 GB.
+  """
+
+  def loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices=None, **kwargs):
+    if indices is None:
+      raise NotImplementedError("indexer_loss: the pallas backend covers the sparse form (indices given).")
+    return indexer_loss_reference(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices,
+                                  teacher_mass=teacher_kernel, query_chunk=1024, **kwargs)
+
+  return loss
+
+
+REGISTRY.register_optional("pallas", "pallas_kernels.sparse_attention", "attention_teacher_pallas",
+                           wrap=_with_pallas_teacher)
+
+
 def indexer_loss(
     index_q: Float[Array, "B T HI DI"],
     index_k: Float[Array, "B S DI"],
@@ -60,7 +80,7 @@ def indexer_loss(
     attn_scale: the attention's logit scale.
     index_scale: the indexer score scale.
     compress_ratio, q_offset, segment_ids: visibility of the dense form, as in `flash_topk`.
-    backend: "auto" or "reference".
+    backend: "auto", "pallas" (sparse form only: the teacher from a Pallas kernel) or "reference".
 
   Returns:
     f32[] the loss.

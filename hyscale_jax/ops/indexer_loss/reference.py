@@ -33,12 +33,24 @@ def _row_mean(row_kl, row_valid):
 # Sparse form: the support of row t is its listed indices.
 
 
-def _sparse_chunk(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales):
+def teacher_mass_reference(
+    attn_q: Float[Array, "B T H Dk"],
+    attn_k: Float[Array, "B S G Dk"],
+    attn_lse: Float[Array, "B T H"],
+    indices: Int[Array, "B T K"],
+    *,
+    scale: float,
+) -> Float[Array, "B T K"]:
+  """f32 `sum_h exp(scale <attn_q[t,h], attn_k[indices[t,j], g(h)]> - attn_lse[t,h])`, 0 where invalid."""
+  return probs_from_lse(attention_logits_at(attn_q, attn_k, indices, scale), attn_lse).sum(axis=2)
+
+
+def _sparse_chunk(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, teacher_mass):
   """Student log-probs, teacher probs and row validity for a chunk of rows: [B, t, K] x2, [B, t]."""
   index_scale, attn_scale = scales
   valid = valid_indices(indices, index_k.shape[1])
   logits = jnp.where(valid, index_scores_at(index_q, index_k, index_weights, indices, index_scale), -jnp.inf)
-  teacher = probs_from_lse(attention_logits_at(attn_q, attn_k, indices, attn_scale), attn_lse).sum(axis=2)
+  teacher = teacher_mass(attn_q, attn_k, attn_lse, indices, scale=attn_scale)
   mass = teacher.sum(axis=-1)
   row_valid = valid.any(axis=-1) & (mass > 0)
   target = teacher / jnp.where(row_valid, mass, 1.0)[..., None]
@@ -53,9 +65,10 @@ def _kl_rows(log_student, target):
   return terms.sum(axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk):
-  return _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk, teacher_mass):
+  return _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk,
+                          teacher_mass)[0]
 
 
 def _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, chunk):
@@ -64,11 +77,12 @@ def _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, chunk)
   return (split(index_q), split(index_weights), split(attn_q), split(attn_lse), split(indices, -1)), join
 
 
-def _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk):
+def _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk,
+                     teacher_mass):
 
   def chunk_rows(xs):
     iq, iw, aq, alse, idx = xs
-    log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, scales)
+    log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, scales, teacher_mass)
     return _kl_rows(log_student, target), row_valid
 
   xs, _ = _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, chunk)
@@ -77,13 +91,13 @@ def _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, 
   return loss, (index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, n_valid)
 
 
-def _sparse_loss_bwd(scales, chunk, residuals, ct):
+def _sparse_loss_bwd(scales, chunk, teacher_mass, residuals, ct):
   index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, n_valid = residuals
   coef = ct / jnp.maximum(n_valid, 1).astype(jnp.float32)
 
   def chunk_grads(dk, xs):
     iq, iw, aq, alse, idx = xs
-    log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, scales)
+    log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, scales, teacher_mass)
     g = jnp.where(row_valid[..., None], jnp.exp(log_student) - target, 0.0) * coef
     scores = lambda q_, k_, w_: index_scores_at(q_, k_, w_, idx, scales[0])
     _, pullback = jax.vjp(scores, iq, index_k, iw)
@@ -291,18 +305,21 @@ def indexer_loss_reference(
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
     query_chunk: int = 64,
     key_chunk: int = 256,
+    teacher_mass=teacher_mass_reference,
 ) -> Float[Array, ""]:
   """Mean over valid query rows of KL(teacher || softmax(indexer logits)) on each row's support.
 
   Sparse form (`indices` given): the support is the listed indices, and memory is
   O(query_chunk * K * (H + HI)). Dense form (`indices=None`): the support is every visible key,
   streamed `key_chunk` keys at a time (no [T, S] table); `attn_lse=None` computes each head's LSE
-  over the same support.
+  over the same support. `teacher_mass` computes the sparse form's teacher (the Pallas backend
+  passes its kernel); the teacher is recomputed in the backward pass rather than saved, since
+  [T, K] f32 per layer is 8.6 GB at 1M tokens.
   """
   scales = (float(index_scale), float(attn_scale))
   if indices is not None:
     return _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse,
-                        indices.astype(jnp.int32), scales, int(query_chunk))
+                        indices.astype(jnp.int32), scales, int(query_chunk), teacher_mass)
   positions = (jnp.asarray(q_offset, jnp.int32), segment_ids)
   return _dense_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions,
                      int(compress_ratio), scales, (int(query_chunk), int(key_chunk)))

@@ -9,10 +9,7 @@ from jaxtyping import Array, Float, Int
 
 from hyscale_jax.ops import _checks, _context
 from hyscale_jax.ops._registry import Backend, BackendRegistry
-from hyscale_jax.ops.sparse_attention.reference import (
-    sparse_attention_backward_reference,
-    sparse_attention_reference,
-)
+from hyscale_jax.ops.sparse_attention.reference import sparse_attention_reference
 from hyscale_jax.ops.sparse_attention.vjp import attention_with_saved_residuals
 
 REGISTRY = BackendRegistry(
@@ -20,12 +17,11 @@ REGISTRY = BackendRegistry(
     {"reference": sparse_attention_reference},
     auto_order={"gpu": ("pallas", "reference"), "default": ("reference",)},
 )
-# The Pallas forward kernel, paired with the reference backward (which reads the saved out/lse)
-# until the backward kernel lands.
+# The Pallas forward and backward kernels, joined by the same residual-saving custom_vjp.
 REGISTRY.register_optional(
-    "pallas", "pallas_kernels.sparse_attention", "sparse_attention_forward_pallas",
-    wrap=lambda forward: functools.partial(
-        attention_with_saved_residuals, forward, sparse_attention_backward_reference))
+    "pallas", "pallas_kernels.sparse_attention",
+    ("sparse_attention_forward_pallas", "sparse_attention_backward_pallas"),
+    wrap=lambda forward, backward: functools.partial(attention_with_saved_residuals, forward, backward))
 
 
 def sparse_attention(
