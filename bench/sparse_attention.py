@@ -233,14 +233,22 @@ def run_check():
 
 
 TUNE_CONFIGS = [
-    Config(block_h=64, block_k=16, num_warps=8, num_stages=1),
-    Config(block_h=64, block_k=16, num_warps=4, num_stages=1),
-    Config(block_h=64, block_k=32, num_warps=8, num_stages=1),
-    Config(block_h=64, block_k=16, num_warps=8, num_stages=2),
     Config(block_h=32, block_k=16, num_warps=4, num_stages=1),
-    Config(block_h=32, block_k=32, num_warps=4, num_stages=2),
-    Config(block_h=128, block_k=16, num_warps=8, num_stages=1),
+    Config(block_h=32, block_k=16, num_warps=8, num_stages=1),
+    Config(block_h=32, block_k=32, num_warps=4, num_stages=1),
+    Config(block_h=16, block_k=32, num_warps=4, num_stages=1),
+    Config(block_h=64, block_k=16, num_warps=8, num_stages=1),  # over the shared memory at MLA dims
 ]
+
+
+def use_relaxed_atomics():
+  """Experiment: Pallas-Triton emits atomics with acquire-release semantics; relaxed ones need no fences."""
+  import jax._src.pallas.triton.lowering as lowering
+  from jax._src.lib.triton import dialect as tt_dialect
+
+  original = lowering._atomic_rmw
+  lowering._atomic_rmw = lambda op, ptr, val, mask=None, **kw: original(
+      op, ptr, val, mask=mask, semantic=tt_dialect.MemSemantic.RELAXED)
 
 
 def run_tune(name, T, reps):
@@ -276,8 +284,11 @@ def main():
   parser.add_argument("--dense-seq", type=int, default=16384, help="T for the dense warm-up loss (0: skip)")
   parser.add_argument("--skip-reference-above", type=int, default=1 << 30)
   parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device, in seconds")
+  parser.add_argument("--relaxed-atomics", action="store_true")
   parser.add_argument("--out", default="")
   args = parser.parse_args()
+  if args.relaxed_atomics:
+    use_relaxed_atomics()
   print("device:", jax.devices()[0].device_kind, flush=True)
   if args.mode == "check":
     return run_check()
