@@ -145,5 +145,8 @@ def test_bad_meshes_are_named_before_compute(tmp_path):
     lm.train_and_evaluate(_lm_config(tmp_path, 1, data=4), str(tmp_path / "a"))
   with pytest.raises(ValueError, match="devices"):
     lm.train_and_evaluate(_lm_config(tmp_path, 1, data=-1, context=3), str(tmp_path / "b"))
-  with pytest.raises(NotImplementedError, match="expert"):
-    lm.train_and_evaluate(_lm_config(tmp_path, 1, expert=2), str(tmp_path / "c"))
+  with pytest.raises(ValueError, match="n_heads=2 must divide over mesh.tensor=4"):
+    lm.train_and_evaluate(_lm_config(tmp_path, 1, tensor=4), str(tmp_path / "c"))
+  with pytest.raises(ValueError, match="n_routed_experts=4 must divide over mesh.expert=8"):
+    lm.train_and_evaluate(_lm_config(tmp_path, 1, expert=8), str(tmp_path / "d"))
+

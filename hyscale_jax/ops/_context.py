@@ -2,7 +2,7 @@
 
 When the ambient mesh (`jax.set_mesh`) has a `context` axis of size n > 1, an op runs under
 `jax.shard_map`: the query-side arrays are split contiguously over `context` along the sequence
-(and the batch over `data`/`fsdp` when present), the key-side arrays are all-gathered, and each
+(and the batch over `data`/`fsdp`/`expert` when present), the key-side arrays are all-gathered, and each
 device runs the single-device implementation on its rows at their absolute positions. The result
 is the same function of the global arrays as without the mesh (bit for bit where the per-row
 arithmetic is exact). Under autodiff the all-gather's transpose reduce-scatters the key gradients
@@ -14,8 +14,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-CONTEXT_AXIS = "context"
-BATCH_AXES = ("data", "fsdp")
+from hyscale_jax.sharding import BATCH_AXES, CONTEXT_AXIS
 
 
 def context_mesh():
