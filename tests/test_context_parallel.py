@@ -150,3 +150,33 @@ def test_bad_meshes_are_named_before_compute(tmp_path):
   with pytest.raises(ValueError, match="n_routed_experts=4 must divide over mesh.expert=8"):
     lm.train_and_evaluate(_lm_config(tmp_path, 1, expert=8), str(tmp_path / "d"))
 
+
+@pytest.mark.parametrize("form", ["sparse", "dense"])
+def test_indexer_loss_and_gradients_match_one_device(form):
+  B, T, HI, DI, H, Dk, K = 2, 32, 2, 8, 4, 8, 6
+  ks = jax.random.split(jax.random.key(4), 8)
+  iq, ik = jax.random.normal(ks[0], (B, T, HI, DI)), jax.random.normal(ks[1], (B, T, DI))
+  iw = jax.random.normal(ks[2], (B, T, HI))
+  aq, ak = jax.random.normal(ks[3], (B, T, H, Dk)), jax.random.normal(ks[4], (B, T, 1, Dk))
+  seg = jnp.asarray((np.arange(T) >= 11).astype(np.int32))[None].repeat(B, 0)  # two documents per row
+  pos = jnp.arange(T)[None, :, None]
+  # Rows with nothing selected (all -1) are left out of the mean: the shards count different rows.
+  idx = jnp.where(jax.random.uniform(ks[5], (B, T, K)) < 0.8,
+                  jax.random.randint(ks[6], (B, T, K), 0, T) % (pos + 1), -1).astype(jnp.int32)
+  idx = idx.at[:, 20:24].set(-1)
+  lse = ops.sparse_attention(aq, ak, ak, idx, scale=0.3)[1] if form == "sparse" else None
+  kw = dict(attn_scale=0.3, index_scale=0.5)
+  kw.update(dict(segment_ids=(seg, seg)) if form == "dense" else {})
+
+  def loss(iq, ik, iw):
+    return ops.indexer_loss(iq, ik, iw, aq, ak, lse, idx if form == "sparse" else None, **kw)
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  want, want_g = grad(iq, ik, iw)
+  mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    assert "shard_map" in str(jax.make_jaxpr(loss)(iq, ik, iw))
+    got, got_g = grad(iq, ik, iw)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for g, w in zip(got_g, want_g):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
