@@ -116,6 +116,10 @@ def _check_divides(name: str, shape, spec: P, mesh) -> None:
     if axes is None:
       continue
     names = (axes,) if isinstance(axes, str) else tuple(axes)
+    unknown = [a for a in names if a not in mesh.axis_names]
+    if unknown:
+      raise ValueError(f"parameter {name}: config.mesh.rules map it to mesh axes {unknown}, which are not among "
+                       f"the mesh's {mesh.axis_names}.")
     split = math.prod(mesh.shape[a] for a in names)
     if size % split:
       raise ValueError(f"parameter {name} of shape {tuple(shape)}: dimension {dim} ({size}) does not divide over "
