@@ -138,6 +138,32 @@ def test_training_on_a_data_by_context_mesh_matches_one_device(tmp_path):
     np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-4)
 
 
+@pytest.mark.parametrize("mesh", [
+    dict(fsdp=2, expert=2, context=2),
+    pytest.param(dict(data=2, fsdp=2, tensor=2), marks=pytest.mark.slow),
+])
+def test_training_with_fsdp_expert_and_tensor_parallelism_matches_one_device(tmp_path, monkeypatch, mesh):
+  from hyscale_jax.parallel import expert  # noqa: PLC0415
+  from hyscale_jax.training import lm  # noqa: PLC0415
+
+  dispatches = []  # count the all-to-all MoE calls traced into the train step
+  real = expert.expert_parallel
+  monkeypatch.setattr(expert, "expert_parallel", lambda *a, **kw: dispatches.append(1) or real(*a, **kw))
+
+  def config(**mesh):
+    config = _lm_config(tmp_path, 5, **mesh)
+    config.data.batch_size = 4  # divides over data x fsdp x expert
+    return config
+
+  one = lm.train_and_evaluate(config(), str(tmp_path / "one"))
+  split = lm.train_and_evaluate(config(**mesh), str(tmp_path / "split"))
+  assert len(split) == 5
+  assert bool(dispatches) == (mesh.get("expert", 1) > 1)
+  for a, b in zip(one, split):
+    for key in ("loss", "lm_loss", "indexer_loss"):
+      np.testing.assert_allclose(b[key], a[key], rtol=1e-4, err_msg=f"step {a['step']} {key}")
+
+
 def test_bad_meshes_are_named_before_compute(tmp_path):
   from hyscale_jax.training import lm  # noqa: PLC0415
 
