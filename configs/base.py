@@ -19,8 +19,22 @@ def get_config() -> ml_collections.ConfigDict:
   config.ops.indexer_loss = "auto"
 
   # Device mesh: axis sizes whose product is the devices used (-1: the rest). The batch is split over
-  # data x fsdp and the sequence over context (context parallelism); expert and tensor must be 1.
+  # data x fsdp x expert, the sequence over context (context parallelism), routed experts over
+  # expert (all-to-all dispatch), and parameters by `rules`.
   config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, context=1, tensor=1))
+  # Logical axis -> mesh axis (None: replicated), the one place parameters and activations are
+  # mapped to the mesh (hyscale_jax/sharding.py). A mesh axis splits at most one dimension of an
+  # array: the first of its logical axes listed in the array's order wins.
+  config.mesh.rules = (
+      # Weights: FSDP over the model width and the low ranks, tensor parallelism over heads,
+      # the FFN width and the vocabulary, experts over expert.
+      ("embed", "fsdp"), ("q_lora", "fsdp"), ("kv_lora", "fsdp"),
+      ("heads", "tensor"), ("kv_heads", None), ("mlp", "tensor"), ("vocab", "tensor"),
+      ("exp", "expert"), ("index", None), ("norm", None),
+      # Activations: batch over data x fsdp x expert, sequence over context, width whole.
+      ("activation_batch", ("data", "fsdp", "expert")), ("activation_length", "context"),
+      ("activation_embed", None),
+  )
 
   config.model = ml_collections.ConfigDict()
   # "selection_replay" (save the selection), "full" (Megatron-style: reselect in backward) or "none".

@@ -138,6 +138,32 @@ def test_training_on_a_data_by_context_mesh_matches_one_device(tmp_path):
     np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-4)
 
 
+@pytest.mark.parametrize("mesh", [
+    dict(fsdp=2, expert=2, context=2),
+    pytest.param(dict(data=2, fsdp=2, tensor=2), marks=pytest.mark.slow),
+])
+def test_training_with_fsdp_expert_and_tensor_parallelism_matches_one_device(tmp_path, monkeypatch, mesh):
+  from hyscale_jax.parallel import expert  # noqa: PLC0415
+  from hyscale_jax.training import lm  # noqa: PLC0415
+
+  dispatches = []  # count the all-to-all MoE calls traced into the train step
+  real = expert.expert_parallel
+  monkeypatch.setattr(expert, "expert_parallel", lambda *a, **kw: dispatches.append(1) or real(*a, **kw))
+
+  def config(**mesh):
+    config = _lm_config(tmp_path, 5, **mesh)
+    config.data.batch_size = 4  # divides over data x fsdp x expert
+    return config
+
+  one = lm.train_and_evaluate(config(), str(tmp_path / "one"))
+  split = lm.train_and_evaluate(config(**mesh), str(tmp_path / "split"))
+  assert len(split) == 5
+  assert bool(dispatches) == (mesh.get("expert", 1) > 1)
+  for a, b in zip(one, split):
+    for key in ("loss", "lm_loss", "indexer_loss"):
+      np.testing.assert_allclose(b[key], a[key], rtol=1e-4, err_msg=f"step {a['step']} {key}")
+
+
 def test_bad_meshes_are_named_before_compute(tmp_path):
   from hyscale_jax.training import lm  # noqa: PLC0415
 
@@ -145,5 +171,38 @@ def test_bad_meshes_are_named_before_compute(tmp_path):
     lm.train_and_evaluate(_lm_config(tmp_path, 1, data=4), str(tmp_path / "a"))
   with pytest.raises(ValueError, match="devices"):
     lm.train_and_evaluate(_lm_config(tmp_path, 1, data=-1, context=3), str(tmp_path / "b"))
-  with pytest.raises(NotImplementedError, match="expert"):
-    lm.train_and_evaluate(_lm_config(tmp_path, 1, expert=2), str(tmp_path / "c"))
+  with pytest.raises(ValueError, match="n_heads=2 must divide over mesh.tensor=4"):
+    lm.train_and_evaluate(_lm_config(tmp_path, 1, tensor=4), str(tmp_path / "c"))
+  with pytest.raises(ValueError, match="n_routed_experts=4 must divide over mesh.expert=8"):
+    lm.train_and_evaluate(_lm_config(tmp_path, 1, expert=8), str(tmp_path / "d"))
+
+
+@pytest.mark.parametrize("form", ["sparse", "dense"])
+def test_indexer_loss_and_gradients_match_one_device(form):
+  B, T, HI, DI, H, Dk, K = 2, 32, 2, 8, 4, 8, 6
+  ks = jax.random.split(jax.random.key(4), 8)
+  iq, ik = jax.random.normal(ks[0], (B, T, HI, DI)), jax.random.normal(ks[1], (B, T, DI))
+  iw = jax.random.normal(ks[2], (B, T, HI))
+  aq, ak = jax.random.normal(ks[3], (B, T, H, Dk)), jax.random.normal(ks[4], (B, T, 1, Dk))
+  seg = jnp.asarray((np.arange(T) >= 11).astype(np.int32))[None].repeat(B, 0)  # two documents per row
+  pos = jnp.arange(T)[None, :, None]
+  # Rows with nothing selected (all -1) are left out of the mean: the shards count different rows.
+  idx = jnp.where(jax.random.uniform(ks[5], (B, T, K)) < 0.8,
+                  jax.random.randint(ks[6], (B, T, K), 0, T) % (pos + 1), -1).astype(jnp.int32)
+  idx = idx.at[:, 20:24].set(-1)
+  lse = ops.sparse_attention(aq, ak, ak, idx, scale=0.3)[1] if form == "sparse" else None
+  kw = dict(attn_scale=0.3, index_scale=0.5)
+  kw.update(dict(segment_ids=(seg, seg)) if form == "dense" else {})
+
+  def loss(iq, ik, iw):
+    return ops.indexer_loss(iq, ik, iw, aq, ak, lse, idx if form == "sparse" else None, **kw)
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  want, want_g = grad(iq, ik, iw)
+  mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    assert "shard_map" in str(jax.make_jaxpr(loss)(iq, ik, iw))
+    got, got_g = grad(iq, ik, iw)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for g, w in zip(got_g, want_g):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)

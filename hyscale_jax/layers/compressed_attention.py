@@ -8,6 +8,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from hyscale_jax import ops
+from hyscale_jax import sharding as shd
 from hyscale_jax.layers.compressor import Compressor, rope_tail
 from hyscale_jax.layers.indexer import LightningIndexer
 from hyscale_jax.layers.mla import AttentionOutput
@@ -62,21 +63,24 @@ class CompressedSparseAttention(nnx.Module):
     if kind not in ("swa", "csa", "hca"):
       raise ValueError(f"CompressedSparseAttention: kind={kind!r} is not 'swa', 'csa' or 'hca'.")
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-    linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=pdtype)
-    norm = lambda n: nnx.RMSNorm(n, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+    linear = lambda i, o, axes: nnx.Linear(i, o, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=pdtype,
+                                           kernel_metadata=shd.param(*axes))
+    norm = lambda n: nnx.RMSNorm(n, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype,
+                                 scale_metadata=shd.param(shd.NORM))
     H, hd, g = cfg.n_heads, cfg.head_dim, cfg.o_groups
     self.cfg, self.kind, self.ratio = cfg, kind, ratio
     self.theta = cfg.rope_theta if kind == "swa" else cfg.compress_rope_theta
-    self.wq_a = linear(cfg.d_model, cfg.q_lora_rank)
+    self.wq_a = linear(cfg.d_model, cfg.q_lora_rank, (shd.EMBED, shd.Q_LORA))
     self.q_norm = norm(cfg.q_lora_rank)
-    self.wq_b = linear(cfg.q_lora_rank, H * hd)
-    self.wkv = linear(cfg.d_model, hd)
+    self.wq_b = linear(cfg.q_lora_rank, H * hd, (shd.Q_LORA, shd.HEADS))
+    self.wkv = linear(cfg.d_model, hd, (shd.EMBED, None))  # the one shared KV head
     self.kv_norm = norm(hd)
-    self.attn_sink = nnx.Param(jnp.zeros((H,), jnp.float32))
+    self.attn_sink = nnx.Param(jnp.zeros((H,), jnp.float32), **shd.param(shd.NORM))
     fan_in = H * hd // g
+    # [groups, heads of the group x hd, o_lora]: whole per group, the groups are few.
     self.wo_a = nnx.Param((jax.random.normal(rngs.params(), (g, fan_in, cfg.o_lora_rank), jnp.float32)
-                           * fan_in**-0.5).astype(pdtype))
-    self.wo_b = linear(g * cfg.o_lora_rank, cfg.d_model)
+                           * fan_in**-0.5).astype(pdtype), **shd.param(None, shd.HEADS, None))
+    self.wo_b = linear(g * cfg.o_lora_rank, cfg.d_model, (None, shd.EMBED))
     compressor = lambda dim, rope: Compressor(
         cfg.d_model, dim, ratio, overlap=kind == "csa", rope_dim=rope, rope_theta=self.theta,
         rms_eps=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype)

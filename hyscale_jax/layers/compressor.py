@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from hyscale_jax import sharding as shd
 from hyscale_jax.layers.rope import apply_rope
 
 
@@ -39,10 +40,12 @@ class Compressor(nnx.Module):
     width = 2 * dim if overlap else dim
     self.dim, self.ratio, self.overlap = dim, ratio, overlap
     self.rope_dim, self.rope_theta = rope_dim, rope_theta
-    linear = lambda: nnx.Linear(d_model, width, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    linear = lambda: nnx.Linear(d_model, width, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                                kernel_metadata=shd.param(shd.EMBED, None))
     self.wkv, self.wgate = linear(), linear()
-    self.position_bias = nnx.Param(jnp.zeros((ratio, width), jnp.float32))
-    self.norm = nnx.RMSNorm(dim, epsilon=rms_eps, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.position_bias = nnx.Param(jnp.zeros((ratio, width), jnp.float32), **shd.param(None, shd.NORM))
+    self.norm = nnx.RMSNorm(dim, epsilon=rms_eps, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                            scale_metadata=shd.param(shd.NORM))
 
   def __call__(
       self,

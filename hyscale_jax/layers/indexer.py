@@ -8,6 +8,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from hyscale_jax import sharding as shd
 from hyscale_jax.layers.rope import apply_rope
 
 
@@ -66,13 +67,17 @@ class LightningIndexer(nnx.Module):
     self.num_heads, self.head_dim, self.rope_dim = num_heads, head_dim, rope_dim
     self.rope_theta, self.rope_interleave, self.rope_first = rope_theta, rope_interleave, rope_first
     self.scoring_relu, self.hadamard = scoring_relu, hadamard
-    linear = lambda i, o, **kw: nnx.Linear(i, o, use_bias=False, rngs=rngs, **kw)
-    self.wq_b = linear(q_lora_rank, num_heads * head_dim, dtype=dtype, param_dtype=param_dtype)
+    linear = lambda i, o, axes, **kw: nnx.Linear(i, o, use_bias=False, rngs=rngs, kernel_metadata=shd.param(*axes),
+                                                 **kw)
+    self.wq_b = linear(q_lora_rank, num_heads * head_dim, (shd.Q_LORA, shd.INDEX), dtype=dtype,
+                       param_dtype=param_dtype)
     if key_compressor is None:
-      self.wk = linear(d_model, head_dim, dtype=dtype, param_dtype=param_dtype)
-      self.k_norm = nnx.LayerNorm(head_dim, epsilon=1e-6, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+      self.wk = linear(d_model, head_dim, (shd.EMBED, shd.INDEX), dtype=dtype, param_dtype=param_dtype)
+      self.k_norm = nnx.LayerNorm(head_dim, epsilon=1e-6, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                                  scale_metadata=shd.param(shd.NORM), bias_metadata=shd.param(shd.NORM))
     self.compressor = key_compressor
-    self.weights_proj = linear(d_model, num_heads, dtype=jnp.float32, param_dtype=jnp.float32)
+    self.weights_proj = linear(d_model, num_heads, (shd.EMBED, shd.INDEX), dtype=jnp.float32,
+                               param_dtype=jnp.float32)
 
   @property
   def score_scale(self) -> float:

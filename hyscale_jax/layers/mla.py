@@ -10,6 +10,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from hyscale_jax import ops
+from hyscale_jax import sharding as shd
 from hyscale_jax.layers.indexer import LightningIndexer
 from hyscale_jax.layers.rope import apply_rope
 from hyscale_jax.model_config import ModelConfig
@@ -54,17 +55,20 @@ class MLASparseAttention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, has_indexer: bool, rngs: nnx.Rngs):
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-    linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=pdtype)
-    norm = lambda n: nnx.RMSNorm(n, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+    linear = lambda i, o, axes: nnx.Linear(i, o, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=pdtype,
+                                           kernel_metadata=shd.param(*axes))
+    norm = lambda n: nnx.RMSNorm(n, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype,
+                                 scale_metadata=shd.param(shd.NORM))
     H, qk = cfg.n_heads, cfg.qk_nope_dim + cfg.qk_rope_dim
     self.cfg = cfg
-    self.q_a_proj = linear(cfg.d_model, cfg.q_lora_rank)
+    self.q_a_proj = linear(cfg.d_model, cfg.q_lora_rank, (shd.EMBED, shd.Q_LORA))
     self.q_a_layernorm = norm(cfg.q_lora_rank)
-    self.q_b_proj = linear(cfg.q_lora_rank, H * qk)
-    self.kv_a_proj_with_mqa = linear(cfg.d_model, cfg.kv_lora_rank + cfg.qk_rope_dim)
+    self.q_b_proj = linear(cfg.q_lora_rank, H * qk, (shd.Q_LORA, shd.HEADS))
+    # [c_kv ; k_pe]: the latent and the rope part are used whole by every head.
+    self.kv_a_proj_with_mqa = linear(cfg.d_model, cfg.kv_lora_rank + cfg.qk_rope_dim, (shd.EMBED, None))
     self.kv_a_layernorm = norm(cfg.kv_lora_rank)
-    self.kv_b_proj = linear(cfg.kv_lora_rank, H * (cfg.qk_nope_dim + cfg.v_head_dim))
-    self.o_proj = linear(H * cfg.v_head_dim, cfg.d_model)
+    self.kv_b_proj = linear(cfg.kv_lora_rank, H * (cfg.qk_nope_dim + cfg.v_head_dim), (shd.KV_LORA, shd.HEADS))
+    self.o_proj = linear(H * cfg.v_head_dim, cfg.d_model, (shd.HEADS, shd.EMBED))
     self.indexer = LightningIndexer(
         cfg.d_model, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
         rope_dim=cfg.index_rope_dim, rope_theta=cfg.rope_theta,

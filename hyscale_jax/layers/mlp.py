@@ -7,6 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from hyscale_jax import sharding as shd
+
 
 class MLP(nnx.Module):
   """SwiGLU feed-forward: `down_proj(silu(gate_proj(x)) * up_proj(x))`.
@@ -33,12 +35,12 @@ class MLP(nnx.Module):
       dtype: compute dtype of the matmuls.
       param_dtype: storage dtype of the kernels.
     """
-    linear = lambda i, o: nnx.Linear(
-        i, o, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype
+    linear = lambda i, o, axes: nnx.Linear(
+        i, o, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype, kernel_metadata=shd.param(*axes)
     )
-    self.gate_proj = linear(d_model, hidden)
-    self.up_proj = linear(d_model, hidden)
-    self.down_proj = linear(hidden, d_model)
+    self.gate_proj = linear(d_model, hidden, (shd.EMBED, shd.MLP))
+    self.up_proj = linear(d_model, hidden, (shd.EMBED, shd.MLP))
+    self.down_proj = linear(hidden, d_model, (shd.MLP, shd.EMBED))
 
   def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
     """Applies the SwiGLU block.

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from hyscale_jax import sharding as shd
+from hyscale_jax.parallel import expert as expert_parallel
 from hyscale_jax.layers.mlp import MLP
 
 Scoring = Literal["sigmoid", "sqrtsoftplus", "softmax"]
@@ -110,12 +112,14 @@ class MoE(nnx.Module):
     E, D, F = n_routed_experts, d_model, moe_inter
     # The router stays f32 end to end: near-tied scores flip top-k choices under bf16 rounding.
     self.gate = nnx.Linear(
-        D, E, use_bias=False, rngs=rngs, dtype=jnp.float32, param_dtype=jnp.float32
+        D, E, use_bias=False, rngs=rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+        kernel_metadata=shd.param(shd.EMBED, None),
     )
     self.e_score_correction_bias = RouterBias(jnp.zeros((E,), jnp.float32))
-    self.experts_gate_proj = nnx.Param(_init_experts(rngs.params(), (E, D, F), param_dtype))
-    self.experts_up_proj = nnx.Param(_init_experts(rngs.params(), (E, D, F), param_dtype))
-    self.experts_down_proj = nnx.Param(_init_experts(rngs.params(), (E, F, D), param_dtype))
+    in_axes, out_axes = shd.param(shd.EXP, shd.EMBED, shd.MLP), shd.param(shd.EXP, shd.MLP, shd.EMBED)
+    self.experts_gate_proj = nnx.Param(_init_experts(rngs.params(), (E, D, F), param_dtype), **in_axes)
+    self.experts_up_proj = nnx.Param(_init_experts(rngs.params(), (E, D, F), param_dtype), **in_axes)
+    self.experts_down_proj = nnx.Param(_init_experts(rngs.params(), (E, F, D), param_dtype), **out_axes)
     self.shared_experts = (
         MLP(D, F * n_shared_experts, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         if n_shared_experts > 0
@@ -168,24 +172,40 @@ class MoE(nnx.Module):
     K, E = self.experts_per_token, self.n_routed_experts
     flat = x.reshape(B * T, D)  # [N, D]
     expert_ids, weights = self.route(flat)  # [N, K], [N, K]
-
-    # Sort the N*K token copies by expert so each expert's rows are contiguous for ragged_dot.
-    slot_ids = expert_ids.reshape(-1)  # [N*K]
-    order = jnp.argsort(slot_ids, stable=True)  # [N*K]
-    group_sizes = jnp.bincount(slot_ids, length=E).astype(jnp.int32)  # [E]
-    rows = flat.astype(self.dtype)[order // K]  # [N*K, D], row j is a copy of token order[j] // K
-    gmm = lambda lhs, w: jax.lax.ragged_dot(
-        lhs, w[...].astype(self.dtype), group_sizes, preferred_element_type=jnp.float32
-    )
-    h = jax.nn.silu(gmm(rows, self.experts_gate_proj)) * gmm(rows, self.experts_up_proj)  # [N*K, F]
-    out = gmm(h.astype(self.dtype), self.experts_down_proj)  # f32[N*K, D]
-    out = jnp.zeros_like(out).at[order].set(out)  # [N*K, D], back in (token, k) order
-    y = jnp.einsum("NKD,NK->ND", out.reshape(B * T, K, D), weights)  # f32[N, D]
+    experts = (self.experts_gate_proj[...], self.experts_up_proj[...], self.experts_down_proj[...])
+    mesh = expert_parallel.expert_mesh()
+    if mesh is None:
+      out, group_sizes = self._local_experts(flat.astype(self.dtype), expert_ids, experts)  # f32[N, K, D]
+    else:  # the experts are split over the mesh's `expert` axis: all-to-all dispatch
+      out, group_sizes = expert_parallel.expert_parallel(
+          x.astype(self.dtype), expert_ids.reshape(B, T, K), experts, self._grouped_swiglu, mesh=mesh)
+      out = out.reshape(B * T, K, D)
+    y = jnp.einsum("NKD,NK->ND", out, weights)  # f32[N, D]
 
     if self.shared_experts is not None:
       y = y + self.shared_experts(flat).astype(jnp.float32)
-    expert_load = group_sizes.astype(jnp.float32) / slot_ids.size  # [E]
+    expert_load = group_sizes.astype(jnp.float32) / (B * T * K)  # [E]
     return y.reshape(B, T, D).astype(x.dtype), expert_load
+
+  def _local_experts(self, flat, expert_ids, experts):
+    """All experts on this device: (f32[N, K, D] each copy's expert output, i32[E] copies per expert)."""
+    N, K = expert_ids.shape
+    # Sort the N*K token copies by expert so each expert's rows are contiguous for ragged_dot.
+    slot_ids = expert_ids.reshape(-1)  # [N*K]
+    order = jnp.argsort(slot_ids, stable=True)  # [N*K]
+    group_sizes = jnp.bincount(slot_ids, length=self.n_routed_experts).astype(jnp.int32)  # [E]
+    rows = flat[order // K]  # [N*K, D], row j is a copy of token order[j] // K
+    out = self._grouped_swiglu(rows, group_sizes, *experts)  # f32[N*K, D]
+    out = jnp.zeros_like(out).at[order].set(out)  # [N*K, D], back in (token, k) order
+    return out.reshape(N, K, -1), group_sizes
+
+  def _grouped_swiglu(self, rows, group_sizes, w_gate, w_up, w_down):
+    """The experts' SwiGLU on expert-sorted rows [R, D] -> f32[R, D] (rows past the groups give 0)."""
+    gmm = lambda lhs, w: jax.lax.ragged_dot(
+        lhs, w.astype(self.dtype), group_sizes, preferred_element_type=jnp.float32
+    )
+    h = jax.nn.silu(gmm(rows, w_gate)) * gmm(rows, w_up)  # [R, F]
+    return gmm(h.astype(self.dtype), w_down)  # f32[R, D]
 
 
 def update_router_bias(moe: MoE, expert_load: Float[Array, "E"], rate: float) -> None:

@@ -8,6 +8,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from hyscale_jax import ops
+from hyscale_jax import sharding as shd
 from hyscale_jax.layers.mla import AttentionOutput
 from hyscale_jax.layers.rope import apply_rope
 from hyscale_jax.model_config import ModelConfig
@@ -20,7 +21,7 @@ class ZeroCenteredRMSNorm(nnx.Module):
 
   def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32):
     self.eps = eps
-    self.weight = nnx.Param(jnp.zeros((dim,), param_dtype))
+    self.weight = nnx.Param(jnp.zeros((dim,), param_dtype), **shd.param(shd.NORM))
 
   def __call__(self, x):
     xf = x.astype(jnp.float32)
@@ -129,9 +130,10 @@ class QSAIndexer(nnx.Module):
     self.cfg = cfg
     HI, DI = cfg.index_n_heads, cfg.index_head_dim
     self.index_qk_proj = nnx.Linear(cfg.d_model, (HI + 1) * DI, use_bias=False, rngs=rngs, dtype=dtype,
-                                    param_dtype=pdtype)
-    self.q_norm = nnx.RMSNorm(DI, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype)
-    self.k_norm = nnx.RMSNorm(DI, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+                                    param_dtype=pdtype, kernel_metadata=shd.param(shd.EMBED, shd.INDEX))
+    norm = lambda: nnx.RMSNorm(DI, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype,
+                               scale_metadata=shd.param(shd.NORM))
+    self.q_norm, self.k_norm = norm(), norm()
 
   @property
   def score_scale(self) -> float:
@@ -168,13 +170,14 @@ class QSAAttention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-    linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+    linear = lambda i, o, axes: nnx.Linear(i, o, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=pdtype,
+                                           kernel_metadata=shd.param(*axes))
     H, G, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     self.cfg = cfg
-    self.q_proj = linear(cfg.d_model, H * hd * 2)
-    self.k_proj = linear(cfg.d_model, G * hd)
-    self.v_proj = linear(cfg.d_model, G * hd)
-    self.o_proj = linear(H * hd, cfg.d_model)
+    self.q_proj = linear(cfg.d_model, H * hd * 2, (shd.EMBED, shd.HEADS))  # per head: [query ; gate]
+    self.k_proj = linear(cfg.d_model, G * hd, (shd.EMBED, shd.KV_HEADS))
+    self.v_proj = linear(cfg.d_model, G * hd, (shd.EMBED, shd.KV_HEADS))
+    self.o_proj = linear(H * hd, cfg.d_model, (shd.HEADS, shd.EMBED))
     self.q_norm = ZeroCenteredRMSNorm(hd, eps=cfg.rms_eps, param_dtype=pdtype)
     self.k_norm = ZeroCenteredRMSNorm(hd, eps=cfg.rms_eps, param_dtype=pdtype)
     self.indexer = QSAIndexer(cfg, rngs=rngs)

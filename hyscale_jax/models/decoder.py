@@ -10,6 +10,7 @@ from flax import nnx
 from jaxtyping import Array, Int
 
 from hyscale_jax import remat
+from hyscale_jax import sharding as shd
 from hyscale_jax.layers.mlp import MLP
 from hyscale_jax.layers.moe import MoE
 from hyscale_jax.model_config import ModelConfig
@@ -31,7 +32,8 @@ class DecoderLayer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, layer: int, attention: nnx.Module, *, rngs: nnx.Rngs):
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-    norm = lambda: nnx.RMSNorm(cfg.d_model, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+    norm = lambda: nnx.RMSNorm(cfg.d_model, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype,
+                               scale_metadata=shd.param(shd.NORM))
     self.input_layernorm = norm()
     self.self_attn = attention
     self.post_attention_layernorm = norm()
@@ -68,12 +70,14 @@ class Decoder(nnx.Module):
     self.cfg = cfg
     pdtype = jnp.dtype(cfg.param_dtype)
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs, param_dtype=pdtype,
-                                  dtype=jnp.dtype(cfg.dtype))
+                                  dtype=jnp.dtype(cfg.dtype), embedding_metadata=shd.param(shd.VOCAB, shd.EMBED))
     self.layers = nnx.List([DecoderLayer(cfg, i, self.make_attention(cfg, i, rngs), rngs=rngs)
                             for i in range(cfg.n_layers)])
-    self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.rms_eps, rngs=rngs, param_dtype=pdtype)
+    self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.rms_eps, rngs=rngs, param_dtype=pdtype,
+                            scale_metadata=shd.param(shd.NORM))
     self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
-        cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs, param_dtype=pdtype)
+        cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs, param_dtype=pdtype,
+        kernel_metadata=shd.param(shd.EMBED, shd.VOCAB))
 
   def __call__(
       self,
@@ -111,6 +115,9 @@ class Decoder(nnx.Module):
     if policy != "none":
       run_layer = jax.checkpoint(run_layer, policy=remat.checkpoint_policy(policy), static_argnums=0)
     for layer in self.layers:
+      # Between layers the activations are split over batch and sequence, whole in D: FSDP gathers
+      # the weights rather than splitting the activations' width.
+      x = shd.shard(x, (shd.BATCH, shd.LENGTH, shd.ACT_EMBED))
       graphdef, state = nnx.split(layer)
       x, layer_indices, indexer_loss, load = run_layer(graphdef, state, x, positions, segment_ids, indices)
       if layer.self_attn.indexer is not None:

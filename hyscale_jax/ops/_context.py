@@ -2,7 +2,7 @@
 
 When the ambient mesh (`jax.set_mesh`) has a `context` axis of size n > 1, an op runs under
 `jax.shard_map`: the query-side arrays are split contiguously over `context` along the sequence
-(and the batch over `data`/`fsdp` when present), the key-side arrays are all-gathered, and each
+(and the batch over `data`/`fsdp`/`expert` when present), the key-side arrays are all-gathered, and each
 device runs the single-device implementation on its rows at their absolute positions. The result
 is the same function of the global arrays as without the mesh (bit for bit where the per-row
 arithmetic is exact). Under autodiff the all-gather's transpose reduce-scatters the key gradients
@@ -14,8 +14,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-CONTEXT_AXIS = "context"
-BATCH_AXES = ("data", "fsdp")
+from hyscale_jax.sharding import BATCH_AXES, CONTEXT_AXIS
 
 
 def context_mesh():
@@ -29,7 +28,17 @@ def context_mesh():
   return mesh if mesh.shape[CONTEXT_AXIS] > 1 else None
 
 
-def run_sequence_sharded(per_shard, mesh, *, sharded, gathered=(), replicated=(), n_out: int):
+def _batch_axes(mesh) -> tuple[str, ...]:
+  return tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+
+
+def token_axes(mesh) -> tuple[str, ...]:
+  """The mesh axes that split [B, T] rows under `run_sequence_sharded` (for psums over all rows)."""
+  return _batch_axes(mesh) + (CONTEXT_AXIS,)
+
+
+def run_sequence_sharded(per_shard, mesh, *, sharded, gathered=(), replicated=(), n_out: int,
+                         reduced: bool = False):
   """Runs `per_shard(row_offset, sharded, gathered, replicated)` on every device of `mesh`.
 
   Args:
@@ -39,8 +48,10 @@ def run_sequence_sharded(per_shard, mesh, *, sharded, gathered=(), replicated=()
     sharded, gathered: [B, T or S, ...] arrays (or None) split along axis 1 over `context`.
     replicated: arrays (or None) every device sees whole.
     n_out: how many [B, T, ...] outputs per_shard returns (split like the sharded inputs).
+    reduced: per_shard instead returns one value already reduced over `token_axes(mesh)` (a
+      psum), the same on every device.
   """
-  batch = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1) or None
+  batch = _batch_axes(mesh) or None
   spec = P(batch, CONTEXT_AXIS)
   n_s, n_g = len(sharded), len(gathered)
 
@@ -52,6 +63,6 @@ def run_sequence_sharded(per_shard, mesh, *, sharded, gathered=(), replicated=()
 
   specs = [None if x is None else spec for x in (*sharded, *gathered)]
   specs += [None if x is None else P() for x in replicated]
-  out_specs = spec if n_out == 1 else (spec,) * n_out
+  out_specs = P() if reduced else spec if n_out == 1 else (spec,) * n_out
   return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs, check_vma=False)(
       *sharded, *gathered, *replicated)

@@ -11,10 +11,11 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hyscale_jax.sharding import BATCH_AXES, CONTEXT_AXIS
+
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
-# Axes the batch is split over; the sequence is split over "context".
-BATCH_AXES = ("data", "fsdp")
-_NOT_YET = ("expert", "tensor")
+# Keys of config.mesh that are not axis sizes.
+_NOT_AXES = ("rules",)
 
 
 def maybe_initialize_distributed() -> None:
@@ -34,7 +35,7 @@ def maybe_initialize_distributed() -> None:
 def mesh_shape(mesh_config, n_devices: int) -> dict[str, int]:
   """Axis sizes from `config.mesh` (one -1 takes the rest); their product must divide the devices."""
   sizes = {axis: int(mesh_config.get(axis, 1)) for axis in MESH_AXES}
-  unknown = sorted(set(mesh_config.keys()) - set(MESH_AXES))
+  unknown = sorted(set(mesh_config.keys()) - set(MESH_AXES) - set(_NOT_AXES))
   if unknown:
     raise ValueError(f"config.mesh has unknown axes {unknown}; the axes are {MESH_AXES}.")
   rest = [a for a, s in sizes.items() if s == -1]
@@ -48,10 +49,6 @@ def mesh_shape(mesh_config, n_devices: int) -> dict[str, int]:
   total = math.prod(sizes.values())
   if total > n_devices:
     raise ValueError(f"config.mesh={sizes} needs {total} devices; {n_devices} are available.")
-  for axis in _NOT_YET:
-    if sizes[axis] > 1:
-      raise NotImplementedError(f"config.mesh.{axis}={sizes[axis]}: {axis} parallelism is not implemented "
-                                f"yet; use data, fsdp (batch split) and context (sequence split).")
   return sizes
 
 
@@ -64,8 +61,8 @@ def make_mesh(mesh_config) -> jax.sharding.Mesh:
 
 
 def batch_sharding(mesh) -> NamedSharding:
-  """[B, T, ...] arrays: batch over data x fsdp, sequence over context."""
-  return NamedSharding(mesh, P(BATCH_AXES, "context"))
+  """[B, T, ...] arrays: batch over data x fsdp x expert, sequence over context."""
+  return NamedSharding(mesh, P(BATCH_AXES, CONTEXT_AXIS))
 
 
 def global_batch(mesh, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:

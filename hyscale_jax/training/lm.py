@@ -8,6 +8,7 @@ Stage 2: selection + sparse attention; every parameter learns, the indexer only 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -23,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from hyscale_jax import models, parallel
+from hyscale_jax import sharding as shd
 from hyscale_jax.layers.moe import MoE, update_router_bias
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.training import memory
@@ -104,29 +106,40 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[
     The metric rows logged by this run (also appended to `<workdir>/metrics.jsonl`).
   """
   cfg = _model_config(config)  # every config error surfaces here, before any compute
-  mesh = _mesh(config)
+  mesh = _mesh(config, cfg)
   if config.train.get("memory_preflight", True):
     estimate = memory.preflight(cfg, batch_size=config.data.batch_size, seq_len=config.data.seq_len,
                                 mesh_shape=dict(mesh.shape), available=memory.device_memory_bytes())
     logging.info("memory preflight: about %s per device", estimate.describe())
   check_workdir(workdir)
-  with jax.set_mesh(mesh):
-    return _train(config, cfg, mesh, workdir)
+  rules = shd.rules_from_config(config.mesh)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    return _train(config, cfg, mesh, rules, workdir)
 
 
-def _mesh(config) -> jax.sharding.Mesh:
-  """The mesh of `config.mesh`, checked against the batch and sequence it splits."""
+def _mesh(config, cfg: ModelConfig) -> jax.sharding.Mesh:
+  """The mesh of `config.mesh`, checked against the batch, sequence, heads and experts it splits."""
   mesh = parallel.make_mesh(config.mesh)
-  split_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+  if cfg.n_heads % mesh.shape["tensor"]:
+    raise ValueError(f"model.n_heads={cfg.n_heads} must divide over mesh.tensor={mesh.shape['tensor']}.")
+  if cfg.n_routed_experts % mesh.shape["expert"]:
+    raise ValueError(f"model.n_routed_experts={cfg.n_routed_experts} must divide over "
+                     f"mesh.expert={mesh.shape['expert']}.")
+  split_batch = math.prod(mesh.shape[a] for a in shd.BATCH_AXES)
   if config.data.batch_size % split_batch:
-    raise ValueError(f"data.batch_size={config.data.batch_size} must divide over mesh data x fsdp = {split_batch}.")
+    raise ValueError(f"data.batch_size={config.data.batch_size} must divide over mesh data x fsdp x expert = "
+                     f"{split_batch}.")
   if config.data.seq_len % mesh.shape["context"]:
     raise ValueError(f"data.seq_len={config.data.seq_len} must divide over mesh.context={mesh.shape['context']}.")
   return mesh
 
 
-def _train(config, cfg: ModelConfig, mesh, workdir: str) -> list[dict]:
-  """The training loop, under `jax.set_mesh(mesh)`: the ops split the sequence over `context`."""
+def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
+  """The training loop, under `jax.set_mesh(mesh)` and the logical axis `rules`.
+
+  The ops split the sequence over `context`, the MoE dispatches over `expert`, and parameters and
+  optimizer state live split by their logical axes (FSDP over `fsdp`, heads/FFN over `tensor`).
+  """
   train = config.train
   data_args = dict(source=config.data.source, vocab_size=config.data.vocab_size, seq_len=config.data.seq_len,
                    batch_size=config.data.batch_size, seed=train.seed, cache_dir=config.data.cache_dir or None)
@@ -139,9 +152,10 @@ def _train(config, cfg: ModelConfig, mesh, workdir: str) -> list[dict]:
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tx, main_lr, indexer_lr = make_optimizer(config, params)
   state = {"params": params, "rest": rest, "opt_state": tx.init(params), "skipped_steps": jnp.int32(0)}
-  # Parameters and optimizer state are replicated (FSDP sharding is not implemented yet); a
-  # checkpoint restores into these shardings whatever mesh wrote it.
-  state = jax.device_put(state, NamedSharding(mesh, P()))
+  # Parameters and the AdamW moments (which carry the parameters' logical axes) are split by the
+  # rules; the rest is replicated. A checkpoint restores into these shardings whatever mesh wrote it.
+  state_shardings = shd.state_shardings(state, mesh, rules)
+  state = jax.device_put(state, state_shardings)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=train.checkpoint_every)
   restored = checkpointer.restore_latest(state)
   start = 0
@@ -162,7 +176,7 @@ def _train(config, cfg: ModelConfig, mesh, workdir: str) -> list[dict]:
     total = aux["indexer_loss"] if dense else lm + config.optim.indexer_loss_coeff * aux["indexer_loss"]
     return total, (lm, aux)
 
-  @jax.jit(static_argnames="dense", donate_argnums=0)
+  @jax.jit(static_argnames="dense", donate_argnums=0, out_shardings=(state_shardings, NamedSharding(mesh, P())))
   def train_step(state, batch, dense):
     (total, (lm, aux)), grads = jax.value_and_grad(objective, has_aux=True)(
         state["params"], state["rest"], batch, dense)

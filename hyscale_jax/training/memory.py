@@ -101,8 +101,11 @@ def preflight(cfg: ModelConfig, *, batch_size: int, seq_len: int, mesh_shape: di
   from hyscale_jax import models  # noqa: PLC0415
 
   count = models.count_params(cfg)[0]
-  split = dict(data_shards=mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1),
-               context_shards=mesh_shape.get("context", 1), param_count=count)
+  # The batch is split over data x fsdp x expert; parameters at least over fsdp x tensor (the
+  # default rules; experts also over expert, which this lower bound leaves out).
+  split = dict(data_shards=mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * mesh_shape.get("expert", 1),
+               context_shards=mesh_shape.get("context", 1), param_count=count,
+               param_shards=mesh_shape.get("fsdp", 1) * mesh_shape.get("tensor", 1))
   estimate = estimate_training_memory(cfg, batch_size=batch_size, seq_len=seq_len, **split)
   if available is None or estimate.total <= headroom * available:
     return estimate
@@ -129,7 +132,7 @@ def preflight(cfg: ModelConfig, *, batch_size: int, seq_len: int, mesh_shape: di
   weights = estimate.components["parameters"] + estimate.components["gradients"] + estimate.components["optimizer"]
   if weights > headroom * available:
     knobs.append(f"the parameters, gradients and AdamW state alone take {weights / 2**30:.2f} GiB per device: "
-                 "they need sharding over more devices (FSDP, not implemented yet) or a smaller model")
+                 "they need sharding over more devices (a larger --config.mesh.fsdp) or a smaller model")
   raise MemoryError(
       f"memory preflight: this step needs about {estimate.describe()} per device, more than the "
       f"{available / 2**30:.2f} GiB available. Knobs: " + "; ".join(knobs) + ". "

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from hyscale_jax.ops import _checks
+from hyscale_jax.ops import _checks, _context
 from hyscale_jax.ops._registry import Backend, BackendRegistry
 from hyscale_jax.ops.indexer_loss.reference import indexer_loss_reference
 
@@ -69,6 +70,10 @@ def indexer_loss(
   closed form `dL/dI = (softmax(I) - p) / n_rows`. Rows with an empty support (or zero teacher
   mass) are excluded from the mean; the loss is 0 when no row counts. Computes in f32.
 
+  Under a mesh with a `context` axis (`jax.set_mesh`), the query rows are split over it (and the
+  batch over `data`/`fsdp`/`expert`), the keys all-gathered, and the shards' means are weighted
+  by their counted rows into the global mean (`hyscale_jax.ops._context`); the result is the same.
+
   Args:
     index_q: bf16|f32[B, T, HI, DI] indexer queries.
     index_k: bf16|f32[B, S, DI] indexer keys.
@@ -94,11 +99,33 @@ def indexer_loss(
   _checks.check_static_float("index_scale", index_scale)
   attn_q, attn_k, attn_lse = jax.lax.stop_gradient((attn_q, attn_k, attn_lse))
   names = REGISTRY.candidates(backend)
-  return REGISTRY.run(
-      names, index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices,
-      attn_scale=float(attn_scale), index_scale=float(index_scale), compress_ratio=int(compress_ratio),
-      q_offset=q_offset, segment_ids=segment_ids,
-  )
+  q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
+
+  def loss(row_offset, local, full, replicated, with_row_count=False):
+    (index_q, index_weights, attn_q, attn_lse, indices, q_seg), (index_k, attn_k, kv_seg) = local, full
+    (q_offset,) = replicated
+    return REGISTRY.run(
+        names, index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices,
+        attn_scale=float(attn_scale), index_scale=float(index_scale), compress_ratio=int(compress_ratio),
+        q_offset=q_offset + row_offset, segment_ids=None if q_seg is None else (q_seg, kv_seg),
+        with_row_count=with_row_count,
+    )
+
+  local, full = (index_q, index_weights, attn_q, attn_lse, indices, q_seg), (index_k, attn_k, kv_seg)
+  mesh = _context.context_mesh()
+  if mesh is None:
+    return loss(0, local, full, (q_offset,))
+  axes = _context.token_axes(mesh)
+
+  def shard_loss(row_offset, local, full, replicated):
+    # The global mean is sum_i n_i * mean_i / sum_i n_i over the shards' counted rows n_i.
+    mean, rows = loss(row_offset, local, full, replicated, with_row_count=True)
+    total = jax.lax.psum(rows, axes)
+    return jax.lax.psum(mean * rows.astype(mean.dtype), axes) / jnp.maximum(total, 1).astype(mean.dtype)
+
+  return _context.run_sequence_sharded(shard_loss, mesh, sharded=local, gathered=full,
+                                       replicated=(jnp.asarray(q_offset, jnp.int32),), n_out=1,
+                                       reduced=True)
 
 
 def _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, compress_ratio, q_offset,

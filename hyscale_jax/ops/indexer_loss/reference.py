@@ -2,7 +2,8 @@
 
 Both forms use a custom_vjp with the closed-form logit gradient `softmax(I) - p`; the backward
 recomputes the indexer logits tile by tile and backpropagates them to q, k and weights. The teacher
-is a constant: no gradient reaches the attention inputs.
+is a constant: no gradient reaches the attention inputs. Each form returns (loss, rows counted), so
+that context parallelism can weight the shards' means into the global one.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def _kl_rows(log_student, target):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk, teacher_mass):
+  """(f32[] mean KL over counted rows, i32[] rows counted)."""
   return _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk,
                           teacher_mass)[0]
 
@@ -88,10 +90,11 @@ def _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, 
   xs, _ = _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, chunk)
   row_kl, row_valid = jax.lax.map(chunk_rows, xs)
   loss, n_valid = _row_mean(row_kl, row_valid)
-  return loss, (index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, n_valid)
+  return (loss, n_valid), (index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, n_valid)
 
 
-def _sparse_loss_bwd(scales, chunk, teacher_mass, residuals, ct):
+def _sparse_loss_bwd(scales, chunk, teacher_mass, residuals, cts):
+  ct = cts[0]  # the row count is an integer: no cotangent
   index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, n_valid = residuals
   coef = ct / jnp.maximum(n_valid, 1).astype(jnp.float32)
 
@@ -214,6 +217,7 @@ def _dense_block_stats(spec: _DenseSpec, i, iq, iw, aq, alse, seg_blk):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def _dense_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions, compress_ratio, scales, blocks):
+  """(f32[] mean KL over counted rows, i32[] rows counted)."""
   return _dense_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions, compress_ratio, scales, blocks)[0]
 
 
@@ -240,10 +244,11 @@ def _dense_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, p
   row_kl, row_valid, lse_i, alse, mass = jax.lax.map(block_rows, xs)
   loss, n_valid = _row_mean(row_kl, row_valid)
   residuals = (index_q, index_k, index_weights, attn_q, attn_k, positions, n_valid, row_valid, lse_i, alse, mass)
-  return loss, residuals
+  return (loss, n_valid), residuals
 
 
-def _dense_loss_bwd(compress_ratio, scales, blocks, residuals, ct):
+def _dense_loss_bwd(compress_ratio, scales, blocks, residuals, cts):
+  ct = cts[0]  # the row count is an integer: no cotangent
   index_q, index_k, index_weights, attn_q, attn_k, positions, n_valid, row_valid, lse_i, alse, mass = residuals
   q_offset, segment_ids = positions
   spec = _DenseSpec(index_k, attn_k, segment_ids, q_offset, compress_ratio, scales, blocks)
@@ -306,20 +311,24 @@ def indexer_loss_reference(
     query_chunk: int = 64,
     key_chunk: int = 256,
     teacher_mass=teacher_mass_reference,
-) -> Float[Array, ""]:
+    with_row_count: bool = False,
+) -> Float[Array, ""] | tuple[Float[Array, ""], Int[Array, ""]]:
   """Mean over valid query rows of KL(teacher || softmax(indexer logits)) on each row's support.
 
   Sparse form (`indices` given): the support is the listed indices, and memory is
   O(query_chunk * K * (H + HI)). Dense form (`indices=None`): the support is every visible key,
   streamed `key_chunk` keys at a time (no [T, S] table); `attn_lse=None` computes each head's LSE
-  over the same support. `teacher_mass` computes the sparse form's teacher (the Pallas backend
-  passes its kernel); the teacher is recomputed in the backward pass rather than saved, since
-  [T, K] f32 per layer is 8.6 GB at 1M tokens.
+  over the same support. With `with_row_count`, returns (loss, i32[] rows counted in the mean).
+  `teacher_mass` computes the sparse form's teacher (the Pallas backend passes its kernel); the
+  teacher is recomputed in the backward pass rather than saved, since [T, K] f32 per layer is
+  8.6 GB at 1M tokens.
   """
   scales = (float(index_scale), float(attn_scale))
   if indices is not None:
-    return _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse,
-                        indices.astype(jnp.int32), scales, int(query_chunk), teacher_mass)
-  positions = (jnp.asarray(q_offset, jnp.int32), segment_ids)
-  return _dense_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions,
-                     int(compress_ratio), scales, (int(query_chunk), int(key_chunk)))
+    out = _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse,
+                       indices.astype(jnp.int32), scales, int(query_chunk), teacher_mass)
+  else:
+    positions = (jnp.asarray(q_offset, jnp.int32), segment_ids)
+    out = _dense_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions,
+                      int(compress_ratio), scales, (int(query_chunk), int(key_chunk)))
+  return out if with_row_count else out[0]

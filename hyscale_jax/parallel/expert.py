@@ -1,0 +1,108 @@
+"""Expert parallelism with `jax.shard_map`: routed experts split over the `expert` mesh axis.
+
+Outside the MoE the `expert` axis splits the batch (with `data` and `fsdp`), so each device holds
+its own tokens. Inside, each device holds E / n of the experts. A device sorts its token copies by
+expert, sends each copy to the device that owns its expert with one all-to-all, runs its local
+experts as grouped matmuls, and a second all-to-all brings the outputs back to the tokens'
+devices. No token is dropped: a device may receive every copy of every sender, so the receive
+buffer is sized for that (n x the local copies); the matmuls skip the unused rows.
+
+`jax.lax.ragged_all_to_all` would move only the filled rows, but XLA:CPU does not implement it
+("UNIMPLEMENTED: HLO opcode `ragged-all-to-all`"), so the dense all-to-all keeps this path testable
+on CPU devices.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from hyscale_jax.sharding import BATCH_AXES, CONTEXT_AXIS, EXPERT_AXIS
+
+
+def expert_mesh():
+  """The ambient mesh when it splits the experts (an `expert` axis of size > 1), else None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+    return None
+  if any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types):  # already inside a shard_map
+    return None
+  return mesh if mesh.shape[EXPERT_AXIS] > 1 else None
+
+
+def expert_parallel(x, expert_ids, expert_weights: tuple, grouped_fn: Callable, *, mesh):
+  """Runs each token copy through its expert, the experts split over `mesh`'s `expert` axis.
+
+  Args:
+    x: [B, T, D] tokens, split over the batch axes (including `expert`) and `context`.
+    expert_ids: i32[B, T, K] the chosen (global) expert of each of a token's K copies.
+    expert_weights: arrays [E, ...] stacked by expert; each device receives its E / n rows.
+    grouped_fn: `grouped_fn(rows [R, D], group_sizes i32[E / n], *local_weights) -> f32[R, D]`, the
+      experts on rows sorted by local expert (rows past sum(group_sizes) are padding).
+    mesh: from `expert_mesh()`.
+
+  Returns:
+    (f32[B, T, K, D] each copy's expert output, i32[E] copies per expert over the whole batch).
+
+  Raises:
+    ValueError: the expert axis does not divide E, or the token axes do not divide B or T.
+  """
+  n, E = mesh.shape[EXPERT_AXIS], expert_weights[0].shape[0]
+  if E % n:
+    raise ValueError(f"n_routed_experts={E} must divide over mesh axis {EXPERT_AXIS!r} of size {n}.")
+  batch = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+  seq = CONTEXT_AXIS if CONTEXT_AXIS in mesh.axis_names and mesh.shape[CONTEXT_AXIS] > 1 else None
+  B, T = x.shape[:2]
+  split_b = 1
+  for a in batch:
+    split_b *= mesh.shape[a]
+  if B % split_b or (seq and T % mesh.shape[seq]):
+    raise ValueError(f"x.shape={tuple(x.shape)}: batch must divide over {batch} ({split_b}) and length over "
+                     f"{seq!r} for expert parallelism.")
+  tokens = P(batch, seq)
+  token_axes = batch + ((seq,) if seq else ())
+
+  def body(x, ids, *weights):
+    b, t, D = x.shape
+    K = ids.shape[-1]
+    out, counts = _dispatch(x.reshape(b * t, D), ids.reshape(b * t, K), weights, grouped_fn, n, E // n)
+    return out.reshape(b, t, K, D), jax.lax.psum(counts, token_axes)
+
+  return jax.shard_map(
+      body, mesh=mesh, in_specs=(tokens, tokens) + (P(EXPERT_AXIS),) * len(expert_weights),
+      out_specs=(tokens, P()), check_vma=False,
+  )(x, expert_ids, *expert_weights)
+
+
+def _dispatch(x, ids, weights, grouped_fn, n: int, e_local: int):
+  """One device's part: send copies to their experts' devices, run the local experts, bring back.
+
+  x: [N, D] local tokens; ids: i32[N, K] global experts. Returns (f32[N, K, D], i32[E] local counts).
+  """
+  N, D = x.shape
+  K = ids.shape[1]
+  C = N * K  # local copies: the most one device can send to one other
+  slots = ids.reshape(-1)  # [C]
+  order = jnp.argsort(slots, stable=True)  # [C], copies sorted by global expert
+  counts = jnp.bincount(slots, length=n * e_local).astype(jnp.int32)  # [E]
+  rows = x[order // K]  # [C, D]
+  dest = slots[order] // e_local  # [C] owning device, non-decreasing
+  send_counts = counts.reshape(n, e_local).sum(axis=1)  # [n]
+  pos = jnp.arange(C) - (jnp.cumsum(send_counts) - send_counts)[dest]  # [C] row within its block
+  send = jnp.zeros((n, C, D), x.dtype).at[dest, pos].set(rows)  # [n, C, D], block d goes to device d
+  recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)  # [n, C, D], block s came from s
+  recv_counts = jax.lax.all_to_all(counts.reshape(n, e_local), EXPERT_AXIS, 0, 0, tiled=True)  # [n, E/n]
+
+  # Each received block is sorted by local expert; regroup all blocks by local expert.
+  ends = jnp.cumsum(recv_counts, axis=1)  # [n, E/n]
+  local_expert = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(C), side="right"))(ends)  # [n, C]
+  regroup = jnp.argsort(local_expert.reshape(-1), stable=True)  # [n*C], padding (E/n) last
+  out = grouped_fn(recv.reshape(n * C, D)[regroup], recv_counts.sum(axis=0), *weights)  # f32[n*C, D]
+  out = jnp.zeros_like(out).at[regroup].set(out).reshape(n, C, D)  # back in received order
+
+  back = jax.lax.all_to_all(out, EXPERT_AXIS, 0, 0, tiled=True)  # [n, C, D], block d from device d
+  mine = back[dest, pos]  # [C, D] in sorted-copy order
+  return jnp.zeros_like(mine).at[order].set(mine).reshape(N, K, D), counts
