@@ -55,7 +55,7 @@ class MLASparseAttention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, has_indexer: bool, rngs: nnx.Rngs):
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=pdtype)
-    norm = lambda n: nnx.RMSNorm(n, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+    norm = lambda n: nnx.RMSNorm(n, epsilon=cfg.latent_norm_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype)
     H, qk = cfg.n_heads, cfg.qk_nope_dim + cfg.qk_rope_dim
     self.cfg = cfg
     self.q_a_proj = linear(cfg.d_model, cfg.q_lora_rank)
