@@ -22,6 +22,10 @@ def get_config() -> ml_collections.ConfigDict:
   # data x fsdp and the sequence over context (context parallelism); expert and tensor must be 1.
   config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, context=1, tensor=1))
 
+  # Start from these weights instead of a random init (when workdir has no checkpoint yet): a folder
+  # written by `python -m hyscale_jax.convert import`, or a Hugging Face checkpoint folder.
+  config.init_from = ""
+
   config.model = ml_collections.ConfigDict()
   # "selection_replay" (save the selection), "full" (Megatron-style: reselect in backward) or "none".
   config.model.remat_policy = "selection_replay"

@@ -6,7 +6,8 @@ from hyscale_jax.convert.api import (CHECKPOINT_VARIABLES, CheckpointMismatchErr
                                      export_checkpoint, import_checkpoint, load_weights, model_config_dict,
                                      read_config)
 from hyscale_jax.convert.hf_config import UnsupportedConfigError, from_hf, to_hf
+from hyscale_jax.convert.native import load_native, load_pretrained, save_native
 
 __all__ = ["CHECKPOINT_VARIABLES", "CheckpointMismatchError", "UnsupportedConfigError", "config_mismatches",
-           "export_checkpoint", "from_hf", "import_checkpoint", "load_weights", "model_config_dict",
-           "read_config", "to_hf"]
+           "export_checkpoint", "from_hf", "import_checkpoint", "load_native", "load_pretrained",
+           "load_weights", "model_config_dict", "read_config", "save_native", "to_hf"]

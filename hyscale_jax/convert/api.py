@@ -87,7 +87,7 @@ def load_weights(model: nnx.Module, directory: str, *, sharding: ShardingSpec = 
       raise CheckpointMismatchError(
           f"{rule.hf[0]}{' (and the rest of its stack)' if len(rule.hf) > 1 else ''} gives shape "
           f"{tuple(value.shape)} for {'/'.join(map(str, rule.ours))}, which needs {tuple(variable.shape)}.")
-    value = value.astype(variable.dtype)
+    value = value.astype(variable.dtype, copy=False)
     target = _sharding_for(sharding, rule.ours, value.shape)
     values[rule.ours] = jax.make_array_from_callback(value.shape, target, lambda index, v=value: v[index])
     del value
