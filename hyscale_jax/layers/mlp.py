@@ -8,6 +8,13 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 
+def swiglu(gate: jax.Array, up: jax.Array, limit: float = 0.0) -> jax.Array:
+  """`silu(gate) * up`; with `limit > 0` (DeepSeek-V4) gate is clamped to <= limit and up to [-limit, limit]."""
+  if limit:
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+  return jax.nn.silu(gate) * up
+
+
 class MLP(nnx.Module):
   """SwiGLU feed-forward: `down_proj(silu(gate_proj(x)) * up_proj(x))`.
 
@@ -20,6 +27,7 @@ class MLP(nnx.Module):
       d_model: int,
       hidden: int,
       *,
+      swiglu_limit: float = 0.0,
       rngs: nnx.Rngs,
       dtype: jnp.dtype = jnp.float32,
       param_dtype: jnp.dtype = jnp.float32,
@@ -29,6 +37,7 @@ class MLP(nnx.Module):
     Args:
       d_model: D, the model width (input and output).
       hidden: F, the inner width.
+      swiglu_limit: the SwiGLU clamp (see `swiglu`); 0 disables it.
       rngs: supplies the `params` stream for the kernels.
       dtype: compute dtype of the matmuls.
       param_dtype: storage dtype of the kernels.
@@ -36,6 +45,7 @@ class MLP(nnx.Module):
     linear = lambda i, o: nnx.Linear(
         i, o, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype
     )
+    self.swiglu_limit = swiglu_limit
     self.gate_proj = linear(d_model, hidden)
     self.up_proj = linear(d_model, hidden)
     self.down_proj = linear(hidden, d_model)
@@ -49,5 +59,5 @@ class MLP(nnx.Module):
     Returns:
       [B, T, D] in the module `dtype` (nnx.Linear promotes its inputs to it).
     """
-    h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)  # [B, T, F]
+    h = swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit)  # [B, T, F]
     return self.down_proj(h)  # [B, T, D]

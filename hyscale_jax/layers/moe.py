@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from hyscale_jax.layers.mlp import MLP
+from hyscale_jax.layers.mlp import MLP, swiglu
 
 Scoring = Literal["sigmoid", "sqrtsoftplus", "softmax"]
 SCORINGS: tuple[str, ...] = ("sigmoid", "sqrtsoftplus", "softmax")
@@ -63,6 +63,7 @@ class MoE(nnx.Module):
       norm_topk_prob: bool = True,
       n_group: int = 1,
       topk_group: int = 1,
+      swiglu_limit: float = 0.0,
       rngs: nnx.Rngs,
       dtype: jnp.dtype = jnp.float32,
       param_dtype: jnp.dtype = jnp.float32,
@@ -81,6 +82,7 @@ class MoE(nnx.Module):
       norm_topk_prob: renormalise the k chosen scores to sum to 1 before scaling.
       n_group: expert groups for group-limited routing; must divide E (1 disables it).
       topk_group: groups kept per token, in [1, n_group].
+      swiglu_limit: the SwiGLU clamp of routed and shared experts (`mlp.swiglu`); 0 disables it.
       rngs: supplies the `params` stream.
       dtype: compute dtype of the expert matmuls (they accumulate in f32).
       param_dtype: storage dtype of the expert weights; the router is always f32.
@@ -106,7 +108,7 @@ class MoE(nnx.Module):
     self.experts_per_token = experts_per_token
     self.scoring, self.routed_scaling, self.norm_topk_prob = scoring, routed_scaling, norm_topk_prob
     self.n_group, self.topk_group = n_group, topk_group
-    self.dtype = dtype
+    self.dtype, self.swiglu_limit = dtype, swiglu_limit
     E, D, F = n_routed_experts, d_model, moe_inter
     # The router stays f32 end to end: near-tied scores flip top-k choices under bf16 rounding.
     self.gate = nnx.Linear(
@@ -117,7 +119,7 @@ class MoE(nnx.Module):
     self.experts_up_proj = nnx.Param(_init_experts(rngs.params(), (E, D, F), param_dtype))
     self.experts_down_proj = nnx.Param(_init_experts(rngs.params(), (E, F, D), param_dtype))
     self.shared_experts = (
-        MLP(D, F * n_shared_experts, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        MLP(D, F * n_shared_experts, swiglu_limit=swiglu_limit, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         if n_shared_experts > 0
         else None
     )
@@ -177,7 +179,7 @@ class MoE(nnx.Module):
     gmm = lambda lhs, w: jax.lax.ragged_dot(
         lhs, w[...].astype(self.dtype), group_sizes, preferred_element_type=jnp.float32
     )
-    h = jax.nn.silu(gmm(rows, self.experts_gate_proj)) * gmm(rows, self.experts_up_proj)  # [N*K, F]
+    h = swiglu(gmm(rows, self.experts_gate_proj), gmm(rows, self.experts_up_proj), self.swiglu_limit)  # [N*K, F]
     out = gmm(h.astype(self.dtype), self.experts_down_proj)  # f32[N*K, D]
     out = jnp.zeros_like(out).at[order].set(out)  # [N*K, D], back in (token, k) order
     y = jnp.einsum("NKD,NK->ND", out.reshape(B * T, K, D), weights)  # f32[N, D]
