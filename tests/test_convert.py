@@ -195,10 +195,11 @@ def test_train_starts_from_imported_weights(tmp_path):
   with ocp.StandardCheckpointer() as checkpointer:
     saved = checkpointer.restore(str(tmp_path / "run" / "checkpoints" / "1" / "state"))["params"]
   expected = nnx.to_pure_dict(nnx.state(source, nnx.Param))
-  assert np.array_equal(saved["layers"]["1"]["mlp"]["experts_up_proj"]["value"]
-                        if isinstance(saved["layers"]["1"]["mlp"]["experts_up_proj"], dict)
-                        else saved["layers"]["1"]["mlp"]["experts_up_proj"],
-                        np.asarray(expected["layers"][1]["mlp"]["experts_up_proj"]))
+  saved_moe, expected_moe = saved["layers"]["1"]["mlp"], expected["layers"][1]["mlp"]
+  for name in ("experts_up_proj", "gate"):  # orbax keeps each NNX variable as {"value": array}
+    saved_leaf = saved_moe[name]["value"] if name.startswith("experts") else saved_moe[name]["kernel"]["value"]
+    expected_leaf = expected_moe[name] if name.startswith("experts") else expected_moe[name]["kernel"]
+    assert np.array_equal(saved_leaf, np.asarray(expected_leaf)), name
 
 
 def test_init_from_refuses_a_different_model(tmp_path):

@@ -46,7 +46,8 @@ def _listing(names: set[str], limit: int = 20) -> str:
   return f"{shown}" + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _sharding_for(sharding: ShardingSpec, path: tuple, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+def sharding_for(sharding: ShardingSpec, path: tuple, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+  """The Sharding of the array at `path`: the first device for None, else `sharding` (or its result)."""
   if sharding is None:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return sharding(path, shape) if callable(sharding) else sharding
@@ -88,7 +89,7 @@ def load_weights(model: nnx.Module, directory: str, *, sharding: ShardingSpec = 
           f"{rule.hf[0]}{' (and the rest of its stack)' if len(rule.hf) > 1 else ''} gives shape "
           f"{tuple(value.shape)} for {'/'.join(map(str, rule.ours))}, which needs {tuple(variable.shape)}.")
     value = value.astype(variable.dtype, copy=False)
-    target = _sharding_for(sharding, rule.ours, value.shape)
+    target = sharding_for(sharding, rule.ours, value.shape)
     values[rule.ours] = jax.make_array_from_callback(value.shape, target, lambda index, v=value: v[index])
     del value
   nnx.update(model, nnx.from_flat_state({path: flat[path].replace(values[path]) for path in values}))

@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from hyscale_jax import models
-from hyscale_jax.convert.api import (CHECKPOINT_VARIABLES, ShardingSpec, _sharding_for, config_mismatches,
+from hyscale_jax.convert.api import (CHECKPOINT_VARIABLES, ShardingSpec, sharding_for, config_mismatches,
                                      import_checkpoint)
 from hyscale_jax.model_config import ModelConfig
 
@@ -51,7 +51,7 @@ def load_native(directory: str, *, sharding: ShardingSpec = None, **overrides) -
   state = nnx.state(model, CHECKPOINT_VARIABLES)
   flat = dict(nnx.to_flat_state(state))
   target = nnx.from_flat_state({
-      path: jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=_sharding_for(sharding, path, var.shape))
+      path: jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=sharding_for(sharding, path, var.shape))
       for path, var in flat.items()})
   with ocp.StandardCheckpointer() as checkpointer:
     restored = checkpointer.restore(os.path.abspath(os.path.join(directory, PARAMS_DIR)),
