@@ -36,6 +36,10 @@ def get_config() -> ml_collections.ConfigDict:
       ("activation_embed", None),
   )
 
+  # Start from these weights instead of a random init (when workdir has no checkpoint yet): a folder
+  # written by `python -m hyscale_jax.convert import`, or a Hugging Face checkpoint folder.
+  config.init_from = ""
+
   config.model = ml_collections.ConfigDict()
   # "selection_replay" (save the selection), "full" (Megatron-style: reselect in backward) or "none".
   config.model.remat_policy = "selection_replay"

@@ -10,6 +10,11 @@ from hyscale_jax import remat
 _DTYPES = ("float32", "bfloat16")
 
 
+def index_share_full_layer(layer: int, freq: int, offset: int) -> bool:
+  """IndexShare (GLM-5.2): layer i runs its own indexer iff max(i - offset + 1, 0) % freq == 0 (and layer 0)."""
+  return max(layer - offset + 1, 0) % freq == 0 or layer == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """A GLM-5 / DeepSeek-V3.2-style MLA + DSA + MoE decoder. Field names follow HF `GlmMoeDsaConfig`."""
@@ -28,6 +33,9 @@ class ModelConfig:
   n_heads: int = 64
   q_lora_rank: int = 2048
   kv_lora_rank: int = 512
+  # eps of MLA's latent norms (q_a_layernorm, kv_a_layernorm): 1e-6 in DeepSeek's reference and
+  # transformers, whatever rms_eps the block norms use.
+  latent_norm_eps: float = 1e-6
   qk_nope_dim: int = 192
   qk_rope_dim: int = 64
   v_head_dim: int = 256
@@ -41,6 +49,16 @@ class ModelConfig:
   norm_topk_prob: bool = True
   n_group: int = 1
   topk_group: int = 1
+  # SwiGLU clamp (DeepSeek-V4): gate <= limit, |up| <= limit before silu(gate) * up; 0 disables it.
+  swiglu_limit: float = 0.0
+  # Residual streams (DeepSeek-V4 mHC, Qwen4-Exp gated residual); 0 is a plain residual. Not
+  # implemented yet: a checkpoint that needs them is refused at import with this field named.
+  hc_mult: int = 0
+  hc_sinkhorn_iters: int = 20
+  hc_eps: float = 1e-6
+  hc_lowrank: int = 0
+  # Qwen4-Exp: a sigmoid gate (`shared_expert_gate`) on the shared expert's output (not implemented yet).
+  shared_expert_gate: bool = False
   # DSA lightning indexer.
   index_n_heads: int = 32
   index_head_dim: int = 128
@@ -99,6 +117,12 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {_DTYPES}.")
+    if self.hc_mult or self.shared_expert_gate:
+      raise NotImplementedError(
+          f"model.hc_mult={self.hc_mult} (residual streams: DeepSeek-V4 mHC, Qwen4-Exp gated residual) and "
+          f"model.shared_expert_gate={self.shared_expert_gate} are not implemented; use 0 and False.")
+    if self.swiglu_limit < 0:
+      raise ValueError(f"model.swiglu_limit={self.swiglu_limit} must be >= 0 (0 disables the clamp).")
     if self.architecture == "deepseek_v4":
       self._check_deepseek_v4()
     if self.architecture == "qwen4_exp":
@@ -152,7 +176,7 @@ class ModelConfig:
 
   def has_indexer(self, layer: int) -> bool:
     """Whether `layer` runs its own indexer (IndexShare 'full' layer) or reuses the previous one's."""
-    return max(layer - self.index_topk_offset + 1, 0) % self.index_topk_freq == 0 or layer == 0
+    return index_share_full_layer(layer, self.index_topk_freq, self.index_topk_offset)
 
   def is_moe(self, layer: int) -> bool:
     return layer >= self.first_k_dense

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hyscale_jax.layers.mlp import MLP
+from hyscale_jax.layers.mlp import MLP, swiglu
 from hyscale_jax.layers.moe import MoE, RouterBias, update_router_bias
 
 D, F, E, K, B, T = 16, 8, 8, 2, 2, 5
@@ -232,3 +232,12 @@ def test_mlp_swiglu():
 def test_bad_args_raise(args, kw, name):
   with pytest.raises(ValueError, match=name):
     MoE(*args, rngs=nnx.Rngs(0), **kw)
+
+
+def test_swiglu_limit_clamps_gate_above_and_up_both_ways():
+  gate = jnp.asarray([-20.0, 0.5, 20.0])
+  up = jnp.asarray([-20.0, 0.5, 20.0])
+  clamped = swiglu(gate, up, limit=10.0)
+  expected = jax.nn.silu(jnp.asarray([-20.0, 0.5, 10.0])) * jnp.asarray([-10.0, 0.5, 10.0])
+  np.testing.assert_allclose(clamped, expected, rtol=1e-6)
+  np.testing.assert_allclose(swiglu(gate, up), jax.nn.silu(gate) * up, rtol=1e-6)

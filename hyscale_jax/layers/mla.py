@@ -57,7 +57,7 @@ class MLASparseAttention(nnx.Module):
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     linear = lambda i, o, axes: nnx.Linear(i, o, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=pdtype,
                                            kernel_metadata=shd.param(*axes))
-    norm = lambda n: nnx.RMSNorm(n, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype,
+    norm = lambda n: nnx.RMSNorm(n, epsilon=cfg.latent_norm_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype,
                                  scale_metadata=shd.param(shd.NORM))
     H, qk = cfg.n_heads, cfg.qk_nope_dim + cfg.qk_rope_dim
     self.cfg = cfg

@@ -10,6 +10,13 @@ from jaxtyping import Array, Float
 from hyscale_jax import sharding as shd
 
 
+def swiglu(gate: jax.Array, up: jax.Array, limit: float = 0.0) -> jax.Array:
+  """`silu(gate) * up`; with `limit > 0` (DeepSeek-V4) gate is clamped to <= limit and up to [-limit, limit]."""
+  if limit:
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+  return jax.nn.silu(gate) * up
+
+
 class MLP(nnx.Module):
   """SwiGLU feed-forward: `down_proj(silu(gate_proj(x)) * up_proj(x))`.
 
@@ -22,6 +29,7 @@ class MLP(nnx.Module):
       d_model: int,
       hidden: int,
       *,
+      swiglu_limit: float = 0.0,
       rngs: nnx.Rngs,
       dtype: jnp.dtype = jnp.float32,
       param_dtype: jnp.dtype = jnp.float32,
@@ -31,6 +39,7 @@ class MLP(nnx.Module):
     Args:
       d_model: D, the model width (input and output).
       hidden: F, the inner width.
+      swiglu_limit: the SwiGLU clamp (see `swiglu`); 0 disables it.
       rngs: supplies the `params` stream for the kernels.
       dtype: compute dtype of the matmuls.
       param_dtype: storage dtype of the kernels.
@@ -38,6 +47,7 @@ class MLP(nnx.Module):
     linear = lambda i, o, axes: nnx.Linear(
         i, o, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype, kernel_metadata=shd.param(*axes)
     )
+    self.swiglu_limit = swiglu_limit
     self.gate_proj = linear(d_model, hidden, (shd.EMBED, shd.MLP))
     self.up_proj = linear(d_model, hidden, (shd.EMBED, shd.MLP))
     self.down_proj = linear(hidden, d_model, (shd.MLP, shd.EMBED))
@@ -51,5 +61,5 @@ class MLP(nnx.Module):
     Returns:
       [B, T, D] in the module `dtype` (nnx.Linear promotes its inputs to it).
     """
-    h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)  # [B, T, F]
+    h = swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit)  # [B, T, F]
     return self.down_proj(h)  # [B, T, D]

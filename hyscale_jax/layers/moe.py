@@ -11,7 +11,7 @@ from jaxtyping import Array, Float, Int
 
 from hyscale_jax import sharding as shd
 from hyscale_jax.parallel import expert as expert_parallel
-from hyscale_jax.layers.mlp import MLP
+from hyscale_jax.layers.mlp import MLP, swiglu
 
 Scoring = Literal["sigmoid", "sqrtsoftplus", "softmax"]
 SCORINGS: tuple[str, ...] = ("sigmoid", "sqrtsoftplus", "softmax")
@@ -65,6 +65,7 @@ class MoE(nnx.Module):
       norm_topk_prob: bool = True,
       n_group: int = 1,
       topk_group: int = 1,
+      swiglu_limit: float = 0.0,
       rngs: nnx.Rngs,
       dtype: jnp.dtype = jnp.float32,
       param_dtype: jnp.dtype = jnp.float32,
@@ -83,6 +84,7 @@ class MoE(nnx.Module):
       norm_topk_prob: renormalise the k chosen scores to sum to 1 before scaling.
       n_group: expert groups for group-limited routing; must divide E (1 disables it).
       topk_group: groups kept per token, in [1, n_group].
+      swiglu_limit: the SwiGLU clamp of routed and shared experts (`mlp.swiglu`); 0 disables it.
       rngs: supplies the `params` stream.
       dtype: compute dtype of the expert matmuls (they accumulate in f32).
       param_dtype: storage dtype of the expert weights; the router is always f32.
@@ -108,7 +110,7 @@ class MoE(nnx.Module):
     self.experts_per_token = experts_per_token
     self.scoring, self.routed_scaling, self.norm_topk_prob = scoring, routed_scaling, norm_topk_prob
     self.n_group, self.topk_group = n_group, topk_group
-    self.dtype = dtype
+    self.dtype, self.swiglu_limit = dtype, swiglu_limit
     E, D, F = n_routed_experts, d_model, moe_inter
     # The router stays f32 end to end: near-tied scores flip top-k choices under bf16 rounding.
     self.gate = nnx.Linear(
@@ -121,7 +123,7 @@ class MoE(nnx.Module):
     self.experts_up_proj = nnx.Param(_init_experts(rngs.params(), (E, D, F), param_dtype), **in_axes)
     self.experts_down_proj = nnx.Param(_init_experts(rngs.params(), (E, F, D), param_dtype), **out_axes)
     self.shared_experts = (
-        MLP(D, F * n_shared_experts, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        MLP(D, F * n_shared_experts, swiglu_limit=swiglu_limit, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         if n_shared_experts > 0
         else None
     )
@@ -204,7 +206,7 @@ class MoE(nnx.Module):
     gmm = lambda lhs, w: jax.lax.ragged_dot(
         lhs, w.astype(self.dtype), group_sizes, preferred_element_type=jnp.float32
     )
-    h = jax.nn.silu(gmm(rows, w_gate)) * gmm(rows, w_up)  # [R, F]
+    h = swiglu(gmm(rows, w_gate), gmm(rows, w_up), self.swiglu_limit)  # [R, F]
     return gmm(h.astype(self.dtype), w_down)  # f32[R, D]
 
 

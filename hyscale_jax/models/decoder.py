@@ -41,9 +41,10 @@ class DecoderLayer(nnx.Module):
       self.mlp = MoE(cfg.d_model, cfg.moe_inter, cfg.n_routed_experts, cfg.experts_per_token,
                      cfg.n_shared_experts, scoring=cfg.scoring, routed_scaling=cfg.routed_scaling,
                      norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                     rngs=rngs, dtype=dtype, param_dtype=pdtype)
+                     swiglu_limit=cfg.swiglu_limit, rngs=rngs, dtype=dtype, param_dtype=pdtype)
     else:
-      self.mlp = MLP(cfg.d_model, cfg.dense_inter, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+      self.mlp = MLP(cfg.d_model, cfg.dense_inter, swiglu_limit=cfg.swiglu_limit, rngs=rngs, dtype=dtype,
+                     param_dtype=pdtype)
 
   def __call__(self, x, positions, segment_ids, *, dense=False, shared_indices=None, backends=None):
     """x [B, T, D] -> (x [B, T, D], indices or None, indexer_loss or None, expert_load f32[E] or None)."""

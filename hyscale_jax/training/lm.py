@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from hyscale_jax import models, parallel
+from hyscale_jax import convert, models, parallel
 from hyscale_jax import sharding as shd
 from hyscale_jax.layers.moe import MoE, update_router_bias
 from hyscale_jax.model_config import ModelConfig
@@ -148,7 +148,10 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
   if data.vocab_size > cfg.vocab_size:
     raise ValueError(f"the tokenizer has {data.vocab_size} tokens > model.vocab_size={cfg.vocab_size}.")
 
-  model = models.build(cfg, rngs=nnx.Rngs(train.seed))
+  if config.get("init_from"):  # streamed straight into the replicated sharding; no random init
+    model = convert.load_pretrained(config.init_from, cfg, sharding=NamedSharding(mesh, P()))
+  else:
+    model = models.build(cfg, rngs=nnx.Rngs(train.seed))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tx, main_lr, indexer_lr = make_optimizer(config, params)
   state = {"params": params, "rest": rest, "opt_state": tx.init(params), "skipped_steps": jnp.int32(0)}

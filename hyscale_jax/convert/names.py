@@ -1,0 +1,118 @@
+"""Checkpoint tensor names and layouts: our NNX state path <-> Hugging Face tensors, per architecture.
+
+Module attributes follow the HF checkpoint keys (STYLE.md 6.2), so most names are a rename of the
+dotted path: `kernel` is `weight` transposed ([in, out] here, [out, in] in torch), `scale` and
+`embedding` are `weight`. The rest is a short rename table per architecture (DeepSeek-V4 is read in the
+layout `save_pretrained` writes by default, DeepSeek's own: `attn.wq_a`, `ffn.experts.0.w1`...) and
+two layouts that are not a rename: stacked experts (one [E, D, F] array here, E tensors there) and
+DeepSeek-V4's grouped output projection `wo_a` ([G, in, o] here, [G * o, in] there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable
+
+import numpy as np
+
+from hyscale_jax.model_config import ModelConfig
+
+Path = tuple  # a path in the flat NNX state, e.g. ("layers", 0, "mlp", "gate", "kernel")
+
+# (pattern, replacement) on the dotted path, applied in order, before the leaf rename.
+_RENAMES: dict[str, list[tuple[str, str]]] = {
+    "glm_moe_dsa": [
+        (r"^mlp\.e_score_correction_bias$", "mlp.gate.e_score_correction_bias"),
+    ],
+    "deepseek_v4": [
+        (r"^input_layernorm\.", "attn_norm."),
+        (r"^post_attention_layernorm\.", "ffn_norm."),
+        (r"^self_attn\.kv_norm\.", "attn.norm."),
+        (r"^self_attn\.", "attn."),
+        (r"\.position_bias$", ".ape"),
+        (r"^mlp\.e_score_correction_bias$", "ffn.gate.bias"),
+        (r"^mlp\.shared_experts\.gate_proj\.", "ffn.shared_experts.w1."),
+        (r"^mlp\.shared_experts\.up_proj\.", "ffn.shared_experts.w3."),
+        (r"^mlp\.shared_experts\.down_proj\.", "ffn.shared_experts.w2."),
+        (r"^mlp\.", "ffn."),
+    ],
+    "qwen4_exp": [
+        (r"^self_attn\.indexer\.q_norm\.", "self_attn.indexer.q_layernorm."),
+        (r"^self_attn\.indexer\.k_norm\.", "self_attn.indexer.k_layernorm."),
+        (r"^mlp\.shared_experts\.", "mlp.shared_expert."),
+    ],
+}
+# Per-expert tensor names of each stacked expert array.
+_EXPERTS: dict[str, dict[str, str]] = {
+    "glm_moe_dsa": {"experts_gate_proj": "mlp.experts.{e}.gate_proj.weight",
+                    "experts_up_proj": "mlp.experts.{e}.up_proj.weight",
+                    "experts_down_proj": "mlp.experts.{e}.down_proj.weight"},
+    "deepseek_v4": {"experts_gate_proj": "ffn.experts.{e}.w1.weight",
+                    "experts_up_proj": "ffn.experts.{e}.w3.weight",
+                    "experts_down_proj": "ffn.experts.{e}.w2.weight"},
+    "qwen4_exp": {"experts_gate_proj": "mlp.experts.{e}.gate_proj.weight",
+                  "experts_up_proj": "mlp.experts.{e}.up_proj.weight",
+                  "experts_down_proj": "mlp.experts.{e}.down_proj.weight"},
+}
+_LM_HEAD = {"glm_moe_dsa": "lm_head.weight", "deepseek_v4": "head.weight", "qwen4_exp": "lm_head.weight"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRule:
+  """One array of ours and the checkpoint tensors it is made of.
+
+  `to_ours(list of arrays in `hf` order) -> array of `shape`` and `to_hf(array) -> list` are exact
+  inverses (transposes, stacks and reshapes only), so export then import is bit for bit.
+  """
+
+  ours: Path
+  hf: tuple[str, ...]
+  to_ours: Callable[[list[np.ndarray]], np.ndarray]
+  to_hf: Callable[[np.ndarray], list[np.ndarray]]
+
+
+def _transpose(arrays):
+  return np.ascontiguousarray(arrays[0].T)
+
+
+def _copy(arrays):
+  return arrays[0]
+
+
+def _stack_transposed(arrays):
+  return np.ascontiguousarray(np.stack([a.T for a in arrays]))
+
+
+def _rule_for(cfg: ModelConfig, path: Path, shape: tuple[int, ...]) -> TensorRule:
+  arch = cfg.architecture
+  if path == ("lm_head", "kernel"):
+    return TensorRule(path, (_LM_HEAD[arch],), _transpose, lambda a: [a.T])
+  if path[0] == "layers":
+    prefix, local = f"model.layers.{path[1]}.", ".".join(map(str, path[2:]))
+  else:
+    prefix, local = "model.", ".".join(map(str, path))
+  if local.startswith("mlp.experts_"):
+    template = _EXPERTS[arch][local.removeprefix("mlp.")]
+    names = tuple(prefix + template.format(e=e) for e in range(shape[0]))
+    return TensorRule(path, names, _stack_transposed, lambda a: [x.T for x in a])
+  for pattern, replacement in _RENAMES[arch]:
+    local = re.sub(pattern, replacement, local)
+  leaf = local.rsplit(".", 1)[-1]
+  if arch == "deepseek_v4" and local.endswith("attn.wo_a"):  # [G, in, o] <-> [G * o, in]
+    g, fan_in, rank = shape
+    return TensorRule(path, (prefix + local + ".weight",),
+                      lambda a: np.ascontiguousarray(a[0].reshape(g, rank, fan_in).transpose(0, 2, 1)),
+                      lambda a: [a.transpose(0, 2, 1).reshape(g * rank, fan_in)])
+  if leaf == "kernel":
+    return TensorRule(path, (prefix + local[: -len("kernel")] + "weight",), _transpose, lambda a: [a.T])
+  if leaf in ("scale", "embedding"):
+    local = local[: -len(leaf)] + "weight"
+  return TensorRule(path, (prefix + local,), _copy, lambda a: [a])
+
+
+def tensor_rules(cfg: ModelConfig, flat_shapes: dict[Path, tuple[int, ...]]) -> list[TensorRule]:
+  """The rule of every array in our state (`flat_shapes`: path -> shape), in state order."""
+  if cfg.architecture not in _RENAMES:
+    raise ValueError(f"no checkpoint layout for model.architecture={cfg.architecture!r}.")
+  return [_rule_for(cfg, path, shape) for path, shape in flat_shapes.items()]
