@@ -140,11 +140,8 @@ def variants(shape: Shape, scale, fwd_config=None, bwd_config=None):
   )
 
 
-def run_shape(name, shape: Shape, T, reps, fwd_config=None, bwd_config=None, skip_reference=False):
-  x = make_inputs(shape, T)
-  scale = shape.Dk**-0.5
-  fns = {n: jax.jit(f) for n, f in variants(shape, scale, fwd_config, bwd_config).items()}
-  args = (x["q"], x["k"], x["v"], x["idx"], x["sinks"], x["dout"])
+def checked_outputs(fns, args):
+  """Reference then (on poisoned memory) Pallas forward and backward; returns both and the errors."""
   out_r, lse_r = fns["reference_fwd"](*args)
   g_r = fns["reference_bwd"](*args, out_r, lse_r)
   poison(out_r, lse_r)
@@ -154,6 +151,15 @@ def run_shape(name, shape: Shape, T, reps, fwd_config=None, bwd_config=None, ski
   errors = dict(out=rel_err(out_p, out_r), lse=float(jnp.max(jnp.abs(lse_p - lse_r))),
                 **{f"d{n}": rel_err(a, b) for n, a, b in zip(("q", "k", "v", "sinks"), g_p, g_r) if b is not None})
   assert all(np.isfinite(list(errors.values()))), errors
+  return (out_r, lse_r), g_p, errors
+
+
+def run_shape(name, shape: Shape, T, reps, fwd_config=None, bwd_config=None, skip_reference=False):
+  x = make_inputs(shape, T)
+  scale = shape.Dk**-0.5
+  fns = {n: jax.jit(f) for n, f in variants(shape, scale, fwd_config, bwd_config).items()}
+  args = (x["q"], x["k"], x["v"], x["idx"], x["sinks"], x["dout"])
+  (out_r, lse_r), _, errors = checked_outputs(fns, args)
   fwd_flops, bwd_flops = flops(shape, T)
   row = dict(shape=name, T=T, H=shape.H, G=shape.G, Dk=shape.Dk, Dv=shape.Dv, K=shape.K, errors=errors)
   for backend in ("pallas",) + (() if skip_reference else ("reference",)):
@@ -217,19 +223,12 @@ def run_check():
       scale = shape.Dk**-0.5
       fns = {n: jax.jit(f) for n, f in variants(shape, scale).items()}
       args = (x["q"], x["k"], x["v"], x["idx"], x["sinks"], x["dout"])
-      out_r, lse_r = fns["reference_fwd"](*args)
-      g_r = fns["reference_bwd"](*args, out_r, lse_r)
-      poison(out_r, lse_r)
-      out_p, lse_p = fns["pallas_fwd"](*args)
-      poison(*g_r)
-      g_p = fns["pallas_bwd"](*args, out_r, lse_r)
+      (out_r, lse_r), g_p, errors = checked_outputs(fns, args)
       g_p2 = fns["pallas_bwd"](*args, out_r, lse_r)
-      errs = {f"d{n}": f"{rel_err(a, b):.2e}" for n, a, b in zip("qkvs", g_p, g_r) if b is not None}
       spread = {f"d{n}": float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
                 for n, a, b in zip("kv", g_p[1:3], g_p2[1:3])}
-      print(f"check {name} T={T} {jnp.dtype(dtype).name}: out rel {rel_err(out_p, out_r):.2e}, "
-            f"lse max abs {float(jnp.max(jnp.abs(lse_p - lse_r))):.2e}, grads rel {errs}, "
-            f"run-to-run max |diff| {spread}", flush=True)
+      print(f"check {name} T={T} {jnp.dtype(dtype).name}: errors vs reference "
+            f"{ {k: float(f'{v:.2e}') for k, v in errors.items()} }, run-to-run max |diff| {spread}", flush=True)
 
 
 TUNE_CONFIGS = [
