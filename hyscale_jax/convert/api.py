@@ -103,7 +103,10 @@ def import_checkpoint(directory: str, *, sharding: ShardingSpec = None, **overri
   initialisation never occupies memory next to the loaded weights.
   """
   cfg = read_config(directory, **overrides)
-  model = nnx.eval_shape(lambda: models.build(cfg, rngs=nnx.Rngs(0)))
+  # Without an ambient mesh: flax would otherwise turn the parameters' logical names into mesh
+  # shardings here by its own rules; `sharding` (or the caller's `state_shardings`) places them.
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+    model = nnx.eval_shape(lambda: models.build(cfg, rngs=nnx.Rngs(0)))
   load_weights(model, directory, sharding=sharding)
   return model
 
