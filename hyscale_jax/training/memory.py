@@ -13,6 +13,7 @@ It is an estimate of the dominant terms, not of XLA's exact buffer assignment.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import os
 
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from hyscale_jax.model_config import ModelConfig
+from hyscale_jax.sharding import BATCH_AXES
 
 
 def _attention_dims(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -101,9 +103,9 @@ def preflight(cfg: ModelConfig, *, batch_size: int, seq_len: int, mesh_shape: di
   from hyscale_jax import models  # noqa: PLC0415
 
   count = models.count_params(cfg)[0]
-  # The batch is split over data x fsdp x expert; parameters at least over fsdp x tensor (the
+  # The batch is split over BATCH_AXES (data x fsdp x expert); parameters at least over fsdp x tensor (the
   # default rules; experts also over expert, which this lower bound leaves out).
-  split = dict(data_shards=mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * mesh_shape.get("expert", 1),
+  split = dict(data_shards=math.prod(mesh_shape.get(axis, 1) for axis in BATCH_AXES),
                context_shards=mesh_shape.get("context", 1), param_count=count,
                param_shards=mesh_shape.get("fsdp", 1) * mesh_shape.get("tensor", 1))
   estimate = estimate_training_memory(cfg, batch_size=batch_size, seq_len=seq_len, **split)
