@@ -202,3 +202,75 @@ def test_indexer_loss_pallas_backend_matches_reference():
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6 * np.abs(w).max())
   with pytest.raises(NotImplementedError, match="sparse form"):
     ops.indexer_loss(iq, ik, iw, aq, ak, lse, None, attn_scale=0.3, backend="pallas")
+
+
+# v=None: the values are k's first `value_dim` columns. (B, T, S, H, G, Dk, value_dim, K, sinks, config)
+_VALUE_FROM_KEY_CASES = {
+    "mla_like": (2, 5, 11, 4, 1, 12, 8, 6, False, Config(block_k=4)),  # 8 of 8 + 4, like 512 of 576
+    "v4_like": (1, 6, 13, 8, 1, 16, None, 9, True, Config(block_h=4, block_k=4)),  # K = V, sinks
+    "gqa_other_prefix": (1, 4, 9, 4, 2, 12, 4, 5, True, Config(block_h=2, block_k=4)),  # 4 of 8 + 4: sliced
+}
+
+
+@pytest.mark.parametrize("case", list(_VALUE_FROM_KEY_CASES))
+def test_values_from_the_key_prefix_match_the_oracle(case):
+  """`v=None` through the pallas backend: out, lse and the gradients (dk carries the value part)."""
+  B, T, S, H, G, Dk, value_dim, K, sinks, config = _VALUE_FROM_KEY_CASES[case]
+  Dv = Dk if value_dim is None else value_dim
+  q, k, _, idx, s = _inputs(np.random.default_rng(7), B, T, S, H, G, Dk, Dv, K, sinks)
+  dout = np.random.default_rng(8).standard_normal((B, T, H, Dv)).astype(np.float32)
+  dlse = np.random.default_rng(9).standard_normal((B, T, H)).astype(np.float32)
+
+  def loss(q, k, s):
+    out, lse = ops.sparse_attention(q, k, None, idx, scale=0.3, sinks=s, value_dim=value_dim, backend="pallas")
+    return jnp.sum(out * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * dlse), (out, lse)
+
+  argnums = (0, 1, 2) if sinks else (0, 1)
+  grads, (out, lse) = jax.grad(loss, argnums=argnums, has_aux=True)(q, k, s)
+  v = k[..., :Dv]
+  o_out, o_lse = sparse_attention_oracle(q, k, v, idx, scale=0.3, sinks=s)
+  np.testing.assert_allclose(out, o_out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.where(np.isinf(o_lse), 0, lse), np.where(np.isinf(o_lse), 0, o_lse), rtol=1e-5)
+  o_dlse = np.where(np.isinf(o_lse), 0, dlse)
+  dq, dk, dv, dsinks = sparse_attention_grads_oracle(q, k, v, idx, dout, o_dlse, scale=0.3, sinks=s)
+  dk = dk.copy()
+  dk[..., :Dv] += dv  # the value gradient lands on the key's prefix
+  for got, want in zip(grads, (dq, dk, dsinks)):
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=1e-4)
+
+
+def test_value_from_key_kernels_match_explicit_values():
+  """The fused-value kernels against the same kernels given `k[..., :Dv]` explicitly, bf16 included."""
+  B, T, S, H, G, Dk, Dv, K = 1, 4, 10, 4, 1, 24, 16, 7
+  q, k, _, idx, s = _inputs(np.random.default_rng(10), B, T, S, H, G, Dk, Dv, K, True)
+  q, k = jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16)
+  dout = jnp.asarray(np.random.default_rng(11).standard_normal((B, T, H, Dv)), jnp.bfloat16)
+  config = Config(block_h=4, block_k=4)
+  fused = sparse_attention_forward_pallas(q, k, None, idx, scale=0.2, sinks=s, value_dim=Dv, config=config)
+  plain = sparse_attention_forward_pallas(q, k, k[..., :Dv], idx, scale=0.2, sinks=s, config=config)
+  for a, b in zip(fused, plain):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  out, lse = plain
+  cot = (dout, jnp.zeros_like(lse))
+  dq_f, dk_f, dv_f, ds_f = sparse_attention_backward_pallas((q, k, None, idx, s, out, lse), cot, scale=0.2,
+                                                            config=config)
+  dq_p, dk_p, dv_p, ds_p = sparse_attention_backward_pallas((q, k, k[..., :Dv], idx, s, out, lse), cot, scale=0.2,
+                                                            config=config)
+  assert dv_f is None
+  np.testing.assert_array_equal(np.asarray(dq_f, np.float32), np.asarray(dq_p, np.float32))
+  np.testing.assert_array_equal(ds_f, ds_p)
+  # f32 accumulation, one bf16 rounding of each sum: the fused row adds dv before rounding.
+  want = np.asarray(dk_p, np.float32)
+  want[..., :Dv] += np.asarray(dv_p, np.float32)
+  np.testing.assert_allclose(np.asarray(dk_f, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+def test_value_dim_is_checked():
+  q, k, v, idx, _ = _inputs(np.random.default_rng(12), 1, 3, 5, 2, 1, 8, 8, 4, False)
+  with pytest.raises(ValueError, match="value_dim=9"):
+    ops.sparse_attention(q, k, None, idx, scale=1.0, value_dim=9)
+  with pytest.raises(ValueError, match="value_dim=4 is for v=None"):
+    ops.sparse_attention(q, k, v, idx, scale=1.0, value_dim=4)
+  out, _ = ops.sparse_attention(q, k, None, idx, scale=1.0, value_dim=4, backend="reference")
+  want, _ = ops.sparse_attention(q, k, k[..., :4], idx, scale=1.0, backend="reference")
+  np.testing.assert_array_equal(out, want)

@@ -144,7 +144,7 @@ class CompressedSparseAttention(nnx.Module):
       keys = jnp.concatenate([kv, entries], axis=1)  # [B, T + S, hd]
       index_lists.append(jnp.where(chosen >= 0, chosen + T, -1))
     indices = jnp.concatenate(index_lists, axis=-1)
-    out, lse = ops.sparse_attention(q, keys[:, :, None], keys[:, :, None], indices, scale=self.scale,
+    out, lse = ops.sparse_attention(q, keys[:, :, None], None, indices, scale=self.scale,  # K = V
                                     sinks=self.attn_sink[...], backend=backend("sparse_attention"))
     if self.indexer is not None:
       indexer_loss = ops.indexer_loss(

@@ -138,7 +138,9 @@ class MLASparseAttention(nnx.Module):
         raise ValueError("a layer without its own indexer needs shared_indices from a full layer.")
       else:
         indices = shared_indices
-      out, lse = ops.sparse_attention(q, k, v, indices, scale=scale, backend=backend("sparse_attention"))
+      # v is k's latent prefix: passing None lets the kernels gather and scatter one row for both.
+      out, lse = ops.sparse_attention(q, k, None, indices, scale=scale, value_dim=v.shape[-1],
+                                      backend=backend("sparse_attention"))
       if index_inputs is not None:
         indexer_loss = ops.indexer_loss(*index_inputs, q, k, lse, indices, attn_scale=scale,
                                         index_scale=self.indexer.score_scale,

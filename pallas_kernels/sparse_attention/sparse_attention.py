@@ -212,12 +212,12 @@ def _resolve(config, default, interpret):
   return config or default, interpret
 
 
-def _gathered_logits(qs, k_refs, safe, precision):
-  """f32 [block_h, block_k]: sum over head-dim parts of q_i @ k_i[safe]^T."""
+def _logits(qs, ks, precision):
+  """f32 [block_h, block_k]: sum over head-dim parts of q_i @ k_i^T."""
   s = None
-  for q, k_ref in zip(qs, k_refs):
-    part = jax.lax.dot_general(q, k_ref[safe, :], (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32, precision=precision)
+  for q, k in zip(qs, ks):
+    part = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                               precision=precision)
     s = part if s is None else s + part
   return s
 
@@ -232,12 +232,15 @@ def _selected(idx_ref, j, block_k, num_keys):
 # Forward.
 
 
-def _forward_kernel(*refs, n_parts, scale, num_keys, block_k, has_sinks, precise):
-  # Inputs: q parts [block_h, d_i] ..., k parts [S_pad, d_i] ..., v [S_pad, Dv], indices [K_pad],
-  # sinks [block_h] (if any). Outputs: out [block_h, Dv], lse [block_h].
+def _forward_kernel(*refs, n_parts, scale, num_keys, block_k, has_sinks, value_from_key, precise):
+  # Inputs: q parts [block_h, d_i] ..., k parts [S_pad, d_i] ..., v [S_pad, Dv] (absent when the
+  # values are the first key part), indices [K_pad], sinks [block_h] (if any).
+  # Outputs: out [block_h, Dv], lse [block_h].
   q_refs, k_refs = refs[:n_parts], refs[n_parts : 2 * n_parts]
-  v_ref, idx_ref = refs[2 * n_parts], refs[2 * n_parts + 1]
-  sinks_ref = refs[2 * n_parts + 2] if has_sinks else None
+  rest = list(refs[2 * n_parts :])
+  v_ref = None if value_from_key else rest.pop(0)
+  idx_ref = rest.pop(0)
+  sinks_ref = rest.pop(0) if has_sinks else None
   o_ref, lse_ref = refs[-2], refs[-1]
   block_h, dv = o_ref.shape
   precision = _HIGHEST if precise else None
@@ -246,11 +249,12 @@ def _forward_kernel(*refs, n_parts, scale, num_keys, block_k, has_sinks, precise
   def step(j, carry):
     m, l, acc = carry
     valid, safe = _selected(idx_ref, j, block_k, num_keys)
-    s = jnp.where(valid[None, :], _gathered_logits(qs, k_refs, safe, precision) * scale, -jnp.inf)
+    ks = [k_ref[safe, :] for k_ref in k_refs]  # gathered once: logits and (MLA, V4) values
+    s = jnp.where(valid[None, :], _logits(qs, ks, precision) * scale, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1))
     p = jnp.exp(s - m_new[:, None])  # masked entries: exp(-inf) = 0
     correction = jnp.exp(m - m_new)
-    v = v_ref[safe, :]  # [block_k, Dv]
+    v = ks[0] if value_from_key else v_ref[safe, :]  # [block_k, Dv]
     pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32, precision=precision)
     return m_new, l * correction + p.sum(axis=1), acc * correction[:, None] + pv
@@ -271,27 +275,42 @@ def _forward_kernel(*refs, n_parts, scale, num_keys, block_k, has_sinks, precise
   lse_ref[...] = jnp.where(nonempty, m + jnp.log(safe_l), -jnp.inf)
 
 
-def sparse_attention_forward_pallas(q, k, v, indices, *, scale, sinks=None, config: Config | None = None,
-                                    interpret: bool | None = None):
+def _values(k, v, value_dim):
+  """(v or None, Dv): None when the values are k's first power-of-two part, read from k in-kernel."""
+  if v is not None:
+    return v, v.shape[-1]
+  Dv = k.shape[-1] if value_dim is None else value_dim
+  if Dv == _power_of_two_parts(k.shape[-1])[0]:
+    return None, Dv
+  return k[..., :Dv], Dv  # another prefix width: an explicit (sliced) value array
+
+
+def sparse_attention_forward_pallas(q, k, v, indices, *, scale, sinks=None, value_dim: int | None = None,
+                                    config: Config | None = None, interpret: bool | None = None):
   """Forward pass: (out in q.dtype [B, T, H, Dv], lse f32[B, T, H]); see the module docstring.
+
+  `v=None` means values = `k[..., :value_dim]` (default all of Dk). When that prefix is k's first
+  power-of-two part (absorbed MLA: 512 of 576; DeepSeek-V4: all 512) each gathered key row also
+  serves as the value row.
 
   Raises:
     NotImplementedError: Dv is not a power of two, or (compiled for the GPU) a matmul dim would be
       under 16; "auto" then uses the reference backend.
   """
-  config, interpret = _resolve(config, Config.heuristics(q.shape[-1], v.shape[-1], jnp.dtype(k.dtype).itemsize),
-                               interpret)
-  lay = _Layout.make(q, k, v.shape[-1], indices, config, interpret)
+  v, Dv = _values(k, v, value_dim)
+  config, interpret = _resolve(config, Config.heuristics(q.shape[-1], Dv, jnp.dtype(k.dtype).itemsize), interpret)
+  lay = _Layout.make(q, k, Dv, indices, config, interpret)
+  value_specs, value_operands = ([], []) if v is None else ([lay.group_keys(Dv)], [lay.pad_keys(v)])
   in_specs = ([lay.head_rows(d) for d in lay.parts] + [lay.group_keys(d) for d in lay.parts]
-              + [lay.group_keys(lay.Dv), lay.token_indices()])
-  operands = [*lay.split_dim(lay.pad_heads(q)), *lay.split_dim(lay.pad_keys(k)), lay.pad_keys(v),
+              + value_specs + [lay.token_indices()])
+  operands = [*lay.split_dim(lay.pad_heads(q)), *lay.split_dim(lay.pad_keys(k)), *value_operands,
               lay.pad_indices(indices)]
   if sinks is not None:
     in_specs.append(lay.sink_block())
     operands.append(lay.pad_sinks(sinks))
   kernel = functools.partial(
       _forward_kernel, n_parts=len(lay.parts), scale=float(scale), num_keys=lay.S, block_k=lay.block_k,
-      has_sinks=sinks is not None, precise=q.dtype == jnp.float32)
+      has_sinks=sinks is not None, value_from_key=v is None, precise=q.dtype == jnp.float32)
   out, lse = pl.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((lay.B, lay.T, lay.H_pad, lay.Dv), q.dtype),
@@ -329,14 +348,19 @@ def _scatter_add(acc_ref, rows, valid, values, interpret):
   relaxed_atomic_add(acc_ref, (jnp.broadcast_to(rows[:, None], (n, d)), cols), values, mask=mask)
 
 
-def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, precise, interpret):
-  # Inputs: q parts [block_h, d_i] ..., k parts [S_pad, d_i] ..., v [S_pad, Dv], indices [K_pad],
-  # dout [block_h, Dv], lse [block_h], delta [block_h], then the aliased zero accumulators.
-  # Outputs: dq parts [block_h, d_i] ..., dk parts f32[S_pad, d_i] ..., dv f32[S_pad, Dv].
+def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, value_from_key, precise, interpret):
+  # Inputs: q parts [block_h, d_i] ..., k parts [S_pad, d_i] ..., v [S_pad, Dv] (absent when the
+  # values are the first key part), indices [K_pad], dout [block_h, Dv], lse [block_h],
+  # delta [block_h], then the aliased zero accumulators.
+  # Outputs: dq parts [block_h, d_i] ..., dk parts f32[S_pad, d_i] ..., dv f32[S_pad, Dv] (absent
+  # when the values are the first key part: their gradient is added into dk's first part).
   q_refs, k_refs = refs[:n_parts], refs[n_parts : 2 * n_parts]
-  v_ref, idx_ref, do_ref, lse_ref, delta_ref = refs[2 * n_parts : 2 * n_parts + 5]
-  outs = refs[-(2 * n_parts + 1):]
-  dq_refs, dk_refs, dv_ref = outs[:n_parts], outs[n_parts : 2 * n_parts], outs[-1]
+  rest = list(refs[2 * n_parts :])
+  v_ref = None if value_from_key else rest.pop(0)
+  idx_ref, do_ref, lse_ref, delta_ref = rest[:4]
+  outs = refs[-(2 * n_parts + (0 if value_from_key else 1)):]
+  dq_refs, dk_refs = outs[:n_parts], outs[n_parts : 2 * n_parts]
+  dv_ref = None if value_from_key else outs[-1]
   precision = _HIGHEST if precise else None
   qs = [r[...] for r in q_refs]
   do = do_ref[...]
@@ -346,23 +370,26 @@ def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, precise, interpre
 
   def step(j, dqs):
     valid, safe = _selected(idx_ref, j, block_k, num_keys)
-    s = _gathered_logits(qs, k_refs, safe, precision) * scale
+    ks = [k_ref[safe, :] for k_ref in k_refs]  # gathered once for S, dq and (MLA, V4) the values
+    s = _logits(qs, ks, precision) * scale
     p = jnp.where(valid[None, :], jnp.exp(s - lse[:, None]), 0.0)  # [block_h, block_k]
-    v = v_ref[safe, :]
+    v = ks[0] if value_from_key else v_ref[safe, :]
     dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                              precision=precision)
     ds = p * (dp - delta[:, None])
     dv = jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32, precision=precision)
-    _scatter_add(dv_ref, safe, valid, dv, interpret)
+    if not value_from_key:
+      _scatter_add(dv_ref, safe, valid, dv, interpret)
     new_dqs = []
-    for q, k_ref, dk_ref, dq in zip(qs, k_refs, dk_refs, dqs):
-      k = k_ref[safe, :]
+    for i, (q, k, dk_ref, dq) in enumerate(zip(qs, ks, dk_refs, dqs)):
       new_dqs.append(dq + jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
                                               preferred_element_type=jnp.float32, precision=precision))
       dk = jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32, precision=precision)
-      _scatter_add(dk_ref, safe, valid, dk * scale, interpret)
+                               preferred_element_type=jnp.float32, precision=precision) * scale
+      if value_from_key and i == 0:
+        dk = dk + dv  # one scattered row carries the key and the value gradient
+      _scatter_add(dk_ref, safe, valid, dk, interpret)
     return tuple(new_dqs)
 
   init = tuple(jnp.zeros(q.shape, jnp.float32) for q in qs)
@@ -376,32 +403,38 @@ def sparse_attention_backward_pallas(residuals, cotangents, *, scale, config: Co
   """Gradients (dq, dk, dv, dsinks) from the saved (q, k, v, indices, sinks, out, lse).
 
   Args:
-    residuals: (q [B, T, H, Dk], k [B, S, G, Dk], v [B, S, G, Dv], indices int[B, T, K],
-      sinks f32[H] or None, out [B, T, H, Dv], lse f32[B, T, H]) as the forward saved them.
+    residuals: (q [B, T, H, Dk], k [B, S, G, Dk], v [B, S, G, Dv] or None (values =
+      `k[..., :Dv]`, Dv read from `out`), indices int[B, T, K], sinks f32[H] or None,
+      out [B, T, H, Dv], lse f32[B, T, H]) as the forward saved them.
     cotangents: (dout [B, T, H, Dv], dlse f32[B, T, H]).
 
   Returns:
-    dq in q.dtype, dk in k.dtype, dv in v.dtype, dsinks in sinks' dtype (or None). dk and dv are
-    accumulated in f32 by atomic adds (see the module docstring for the run-to-run bound).
+    dq in q.dtype, dk in k.dtype, dv in v.dtype (None when v is None: the value gradient is then
+    part of dk), dsinks in sinks' dtype (or None). dk and dv are accumulated in f32 by atomic adds
+    (see the module docstring for the run-to-run bound).
   """
   q, k, v, indices, sinks, out, lse = residuals
   dout, dlse = cotangents
-  config, interpret = _resolve(
-      config, Config.backward_heuristics(q.shape[-1], v.shape[-1], jnp.dtype(k.dtype).itemsize), interpret)
-  lay = _Layout.make(q, k, v.shape[-1], indices, config, interpret)
+  value_is_prefix = v is None
+  v, Dv = _values(k, v, out.shape[-1] if v is None else None)
+  config, interpret = _resolve(config, Config.backward_heuristics(q.shape[-1], Dv, jnp.dtype(k.dtype).itemsize),
+                               interpret)
+  lay = _Layout.make(q, k, Dv, indices, config, interpret)
   # delta_t,h = <dout, out> - dlse: the softmax Jacobian's row term, with lse's own cotangent folded in.
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
-  in_specs = ([lay.head_rows(d) for d in lay.parts] + [lay.group_keys(d) for d in lay.parts]
-              + [lay.group_keys(lay.Dv), lay.token_indices(), lay.head_rows(lay.Dv), lay.head_rows(),
-                 lay.head_rows()])
-  operands = [*lay.split_dim(lay.pad_heads(q)), *lay.split_dim(lay.pad_keys(k)), lay.pad_keys(v),
+  value_specs, value_operands = ([], []) if v is None else ([lay.group_keys(Dv)], [lay.pad_keys(v)])
+  in_specs = ([lay.head_rows(d) for d in lay.parts] + [lay.group_keys(d) for d in lay.parts] + value_specs
+              + [lay.token_indices(), lay.head_rows(Dv), lay.head_rows(), lay.head_rows()])
+  operands = [*lay.split_dim(lay.pad_heads(q)), *lay.split_dim(lay.pad_keys(k)), *value_operands,
               lay.pad_indices(indices), lay.pad_heads(dout.astype(q.dtype)), lay.pad_heads(lse, -jnp.inf),
               lay.pad_heads(delta)]
-  accumulators = [jnp.zeros((lay.B, lay.S_pad, lay.G, d), jnp.float32) for d in (*lay.parts, lay.Dv)]
+  accumulator_dims = (*lay.parts,) + (() if v is None else (Dv,))
+  accumulators = [jnp.zeros((lay.B, lay.S_pad, lay.G, d), jnp.float32) for d in accumulator_dims]
   n_in = len(operands)
   outs = pl.pallas_call(
       functools.partial(_backward_kernel, n_parts=len(lay.parts), scale=float(scale), num_keys=lay.S,
-                        block_k=lay.block_k, precise=q.dtype == jnp.float32, interpret=interpret),
+                        block_k=lay.block_k, value_from_key=v is None, precise=q.dtype == jnp.float32,
+                        interpret=interpret),
       out_shape=([jax.ShapeDtypeStruct((lay.B, lay.T, lay.H_pad, d), q.dtype) for d in lay.parts]
                  + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in accumulators]),
       grid=lay.grid,
@@ -414,8 +447,15 @@ def sparse_attention_backward_pallas(residuals, cotangents, *, scale, config: Co
   )(*operands, *accumulators)
   n = len(lay.parts)
   dq = lay.unpad_heads(jnp.concatenate(outs[:n], axis=-1))
-  dk = jnp.concatenate(outs[n : 2 * n], axis=-1)[:, : lay.S].astype(k.dtype)
-  dv = outs[-1][:, : lay.S].astype(v.dtype)
+  dk = jnp.concatenate(outs[n : 2 * n], axis=-1)[:, : lay.S]
+  if v is None:
+    dv = None  # already inside dk's first part
+  else:
+    dv = outs[-1][:, : lay.S]
+    if value_is_prefix:  # values were an explicit slice of k: fold their gradient back
+      dk, dv = dk + jnp.pad(dv, ((0, 0), (0, 0), (0, 0), (0, lay.Dk - Dv))), None
+  dk = dk.astype(k.dtype)
+  dv = None if dv is None else dv.astype(v.dtype)
   dsinks = None
   if sinks is not None:
     # The sink's probability exp(sink - lse) only meets the row term: dsink = -sum p_sink * delta.
@@ -441,7 +481,7 @@ def _teacher_kernel(*refs, n_parts, scale, num_keys, block_k, precise):
 
   def step(j, carry):
     valid, safe = _selected(idx_ref, j, block_k, num_keys)
-    s = _gathered_logits(qs, k_refs, safe, precision) * scale
+    s = _logits(qs, [k_ref[safe, :] for k_ref in k_refs], precision) * scale
     p = jnp.where(valid[None, :] & finite[:, None], jnp.exp(s - lse[:, None]), 0.0)
     out_ref[pl.ds(j * block_k, block_k)] = p.sum(axis=0)
     return carry

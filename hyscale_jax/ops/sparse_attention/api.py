@@ -27,12 +27,13 @@ REGISTRY.register_optional(
 def sparse_attention(
     q: Float[Array, "B T H Dk"],
     k: Float[Array, "B S G Dk"],
-    v: Float[Array, "B S G Dv"],
+    v: Float[Array, "B S G Dv"] | None,
     indices: Int[Array, "B T K"],
     *,
     scale: float,
     sinks: Float[Array, "H"] | None = None,
     backend: Backend = "auto",
+    value_dim: int | None = None,
 ) -> tuple[Float[Array, "B T H Dv"], Float[Array, "B T H"]]:
   """Attention of query t over keys `indices[b, t, :]`, shared by all G key/value groups.
 
@@ -42,17 +43,23 @@ def sparse_attention(
   Head h reads group `h // (H // G)` (G = 1 is MQA, as in absorbed MLA and DeepSeek-V4). A duplicate
   index counts once per occurrence; -1 (or any index outside [0, S)) is skipped. Logits, the
   softmax and the value sum are f32; `out` is returned in q's dtype. Differentiable in q, k, v and
-  sinks (indices get none); the backward reuses the saved `lse`. `out` and `lse` are tagged
+  sinks (indices get none); the backward reuses the saved `lse`.
+
+  `v=None` says the values are the keys' first `value_dim` columns: absorbed MLA's latent (the key
+  is [latent, rope]) and DeepSeek-V4's K = V. Same result as passing `k[..., :value_dim]`, but the
+  Pallas kernels then gather each selected row once and scatter its key and value gradients as one
+  row (about half the backward's atomics at MLA dims). `out` and `lse` are tagged
   `remat.ATTENTION_OUT` / `remat.ATTENTION_LSE` so `"selection_replay"` saves them.
 
   Args:
     q: bf16|f32[B, T, H, Dk] queries.
     k: bf16|f32[B, S, G, Dk] keys.
-    v: bf16|f32[B, S, G, Dv] values.
+    v: bf16|f32[B, S, G, Dv] values, or None for `k[..., :value_dim]`.
     indices: int[B, T, K] key positions per query.
     scale: logit scale (static Python float).
     sinks: optional f32[H]: adds exp(sinks[h]) to the softmax denominator and no value.
     backend: "auto", "pallas" or "reference".
+    value_dim: with `v=None`, Dv (default: all of Dk). Not allowed with an explicit `v`.
 
   Returns:
     (out [B, T, H, Dv] in q.dtype, lse f32[B, T, H]). A row with no valid index gives out = 0 and
@@ -62,38 +69,50 @@ def sparse_attention(
     ValueError: on a wrong rank, mismatched batch/length/group/dim sizes, H not divisible by G,
       non-integer indices or non-float inputs.
   """
-  _check_args(q, k, v, indices, scale, sinks)
+  value_dim = _check_args(q, k, v, indices, scale, sinks, value_dim)
   names = REGISTRY.candidates(backend)
 
   def attend(row_offset, local, full, replicated):
     del row_offset  # indices name global key positions
-    (q, indices), (k, v), (sinks,) = local, full, replicated
-    return REGISTRY.run(names, q, k, v, indices, scale=float(scale), sinks=sinks)
+    (q, indices), (k, *v), (sinks,) = local, full, replicated
+    return REGISTRY.run(names, q, k, v[0] if v else None, indices, scale=float(scale), sinks=sinks,
+                        value_dim=value_dim)
 
+  gathered = (k,) if v is None else (k, v)
   mesh = _context.context_mesh()
   if mesh is None:
-    return attend(0, (q, indices), (k, v), (sinks,))
+    return attend(0, (q, indices), gathered, (sinks,))
   # Context parallelism: this device's queries against all-gathered keys and values.
-  return _context.run_sequence_sharded(attend, mesh, sharded=(q, indices), gathered=(k, v),
+  return _context.run_sequence_sharded(attend, mesh, sharded=(q, indices), gathered=gathered,
                                        replicated=(sinks,), n_out=2)
 
 
-def _check_args(q, k, v, indices, scale, sinks):
+def _check_args(q, k, v, indices, scale, sinks, value_dim) -> int | None:
+  """Validates the call; returns the value width when `v` is None (else None)."""
   _checks.check_rank("q", q, 4, "B, T, H, Dk")
   _checks.check_rank("k", k, 4, "B, S, G, Dk")
-  _checks.check_rank("v", v, 4, "B, S, G, Dv")
+  if v is not None:
+    _checks.check_rank("v", v, 4, "B, S, G, Dv")
   _checks.check_rank("indices", indices, 3, "B, T, K")
   for name, x in (("q", q), ("k", k), ("v", v)):
-    _checks.check_float(name, x)
+    if x is not None:
+      _checks.check_float(name, x)
   _checks.check_int("indices", indices)
   B, T, H, Dk = q.shape
   where = f"from q.shape={tuple(q.shape)}"
   _checks.check_dim("k", k, 0, B, f"batch, {where}")
   _checks.check_dim("k", k, 3, Dk, f"head dim, {where}")
-  if v.shape[:3] != k.shape[:3]:
+  if v is not None and v.shape[:3] != k.shape[:3]:
     raise ValueError(
         f"v.shape={tuple(v.shape)} must match k.shape={tuple(k.shape)} in [B, S, G]."
     )
+  if v is not None and value_dim is not None:
+    raise ValueError(f"value_dim={value_dim} is for v=None (values = k[..., :value_dim]); v.shape={tuple(v.shape)} "
+                     "already gives Dv.")
+  if v is None:
+    value_dim = Dk if value_dim is None else value_dim
+    if not isinstance(value_dim, int) or isinstance(value_dim, bool) or not 0 < value_dim <= Dk:
+      raise ValueError(f"value_dim={value_dim!r} must be an int in [1, Dk={Dk}] (k.shape={tuple(k.shape)}).")
   G = k.shape[2]
   if H % G:
     raise ValueError(f"q heads H={H} must be divisible by k groups G={G} ({q.shape=}, {k.shape=}).")
@@ -105,3 +124,4 @@ def _check_args(q, k, v, indices, scale, sinks):
     _checks.check_float("sinks", sinks)
     if sinks.shape != (H,):
       raise ValueError(f"sinks.shape={tuple(sinks.shape)} must be [H]=({H},) {where}.")
+  return value_dim

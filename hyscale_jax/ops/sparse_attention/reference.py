@@ -144,14 +144,17 @@ def default_query_chunk(q, k, v, indices) -> int:
 def sparse_attention_reference(
     q: Float[Array, "B T H Dk"],
     k: Float[Array, "B S G Dk"],
-    v: Float[Array, "B S G Dv"],
+    v: Float[Array, "B S G Dv"] | None,
     indices: Int[Array, "B T K"],
     *,
     scale: float,
     sinks: Float[Array, "H"] | None = None,
+    value_dim: int | None = None,
     query_chunk: int | None = None,
 ) -> tuple[Float[Array, "B T H Dv"], Float[Array, "B T H"]]:
   """Softmax attention of each query over its listed keys, `query_chunk` queries at a time.
+
+  `v=None` takes the values as `k[..., :value_dim]`; the slice is differentiated by JAX.
 
   Memory is O(query_chunk * K * G * (Dk + Dv)) for the gathered tiles, never O(T * K * D). The
   custom_vjp keeps (indices, out, lse) as residuals (`attention_with_saved_residuals`).
@@ -159,6 +162,8 @@ def sparse_attention_reference(
   Returns:
     (out in q.dtype [B, T, H, Dv], lse f32[B, T, H]).
   """
+  if v is None:
+    v = k[..., : k.shape[-1] if value_dim is None else value_dim]
   return attention_with_saved_residuals(
       functools.partial(sparse_attention_forward_reference, query_chunk=query_chunk),
       functools.partial(sparse_attention_backward_reference, query_chunk=query_chunk),

@@ -27,7 +27,7 @@ def _attach_backward_bwd(backward, scale, residuals, cotangents):
 _attach_backward.defvjp(_attach_backward_fwd, _attach_backward_bwd)
 
 
-def attention_with_saved_residuals(forward, backward, q, k, v, indices, *, scale, sinks=None):
+def attention_with_saved_residuals(forward, backward, q, k, v, indices, *, scale, sinks=None, value_dim=None):
   """Runs `forward` once, tags (out, lse) for remat, and differentiates through `backward`.
 
   The forward runs outside any custom_vjp rule, on detached inputs, and its outputs are named
@@ -35,11 +35,15 @@ def attention_with_saved_residuals(forward, backward, q, k, v, indices, *, scale
   them as plain inputs and keeps them (with `indices`) as its residuals, so the
   `"selection_replay"` policy saves exactly what the backward reads and never reruns `forward`.
 
+  With `v=None` (values = `k[..., :value_dim]`) the forward is called with `v=None, value_dim=...`,
+  and the backward sees `v=None` in the residuals and returns the value gradient inside dk (dv None).
+
   Args:
-    forward: `(q, k, v, indices, *, scale, sinks) -> (out, lse)`.
+    forward: `(q, k, v, indices, *, scale, sinks[, value_dim]) -> (out, lse)`.
     backward: `((q, k, v, indices, sinks, out, lse), (dout, dlse), *, scale) -> (dq, dk, dv, dsinks)`.
   """
   detached = jax.lax.stop_gradient((q, k, v, sinks))
-  out, lse = forward(*detached[:3], indices, scale=scale, sinks=detached[3])
+  value_kw = {"value_dim": value_dim} if v is None else {}
+  out, lse = forward(*detached[:3], indices, scale=scale, sinks=detached[3], **value_kw)
   out, lse = remat.tag(out, remat.ATTENTION_OUT), remat.tag(lse, remat.ATTENTION_LSE)
   return _attach_backward(backward, scale, q, k, v, indices, sinks, out, lse)
