@@ -55,14 +55,14 @@ def _max_rel(a, b) -> float:
 
 
 def _inputs(d: dict, seed: int = 0):
-  """Integer-valued bf16 indexer inputs (exact f32 scores, many ties) and f32 attention inputs."""
+  """Integer-valued bf16 indexer inputs (exact f32 scores, many ties) and attention inputs of d["dtype"]."""
   rng = np.random.default_rng(seed)
   ints = lambda shape: jnp.asarray(rng.integers(-2, 3, size=shape).astype(np.float32), jnp.bfloat16)
   B, T = d["B"], d["T"]
   iq, ik, iw = ints((B, T, d["HI"], d["DI"])), ints((B, T, d["DI"])), ints((B, T, d["HI"]))
   ks = jax.random.split(jax.random.key(seed), 5)
-  q = jax.random.normal(ks[0], (B, T, d["H"], d["Dk"]), jnp.float32)
-  k = jax.random.normal(ks[1], (B, T, 1, d["Dk"]), jnp.float32)
+  q = jax.random.normal(ks[0], (B, T, d["H"], d["Dk"]), d["dtype"])
+  k = jax.random.normal(ks[1], (B, T, 1, d["Dk"]), d["dtype"])
   v = k[..., : d["Dv"]]  # absorbed MLA: the value is the key's latent part
   pos = jnp.arange(T)[None, :, None]
   idx = jnp.where(jax.random.uniform(ks[2], (B, T, d["K"])) < 0.9,
@@ -198,6 +198,8 @@ def main() -> None:
                       "GPU, reference elsewhere)")
   parser.add_argument("--seq", type=int, default=None, help="T for the op checks (default 16384, smoke 256)")
   parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5, smoke 1)")
+  parser.add_argument("--attn-dtype", default="float32", choices=("float32", "bfloat16"),
+                      help="q/k/v dtype of the attention and indexer-loss checks (tolerance 1e-4 / 2e-2)")
   parser.add_argument("--skip-train", action="store_true")
   args = parser.parse_args()
   devices = jax.devices()
@@ -205,8 +207,10 @@ def main() -> None:
   backend = args.backend or ("pallas" if platform == "gpu" else "reference")
   dims = dict(SMOKE_DIMS if args.smoke else GPU_DIMS)
   dims["T"] = args.seq or dims["T"]
+  dims["dtype"] = args.attn_dtype
   reps = args.reps or (1 if args.smoke else 5)
-  tol = 1e-4  # f32: per-row arithmetic is the same; dk/dv sum in another order (shards, GPU atomics)
+  # Per-row arithmetic is the same; dk/dv sum in another order (shards, GPU atomics), rounded to the dtype.
+  tol = 1e-4 if args.attn_dtype == "float32" else 2e-2
   mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,), devices=devices)
   log(f"context parallelism over {n} {platform} device(s) ({devices[0].device_kind}), backend {backend}, "
       f"dims {dims}")
@@ -227,6 +231,7 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 (report and go on to the next check)
       new = [dict(check=name, layout="-", ok=False, error=f"{type(e).__name__}: {str(e)[:600]}")]
     for r in new:
+      r.setdefault("attn_dtype", args.attn_dtype)
       status = {True: "ok", False: "FAIL", None: ""}[r.get("ok")]
       secs = f"{r['seconds'] * 1e3:10.2f} ms" if r.get("seconds") is not None else " " * 13
       detail = {k: r[k] for k in ("max_rel_error", "max_rel_loss_diff", "mismatched_indices", "shard_map_calls",

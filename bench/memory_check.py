@@ -50,12 +50,13 @@ def device_cases() -> list[dict]:
       _case("glm5_1 2L mid", glm, "full", 16384, "selection_replay", _GLM_MID),
       _case("glm5_1 2L mid", glm, "full", 16384, "full", _GLM_MID),
       _case("glm5_1 2L mid", glm, "full", 65536, "selection_replay", _GLM_MID),
-      _case("deepseek_v4 3L mid", dsv4, "full", 16384, "selection_replay", _DSV4_MID),
       _case("qwen3_8 2L mid", qwen, "full", 16384, "selection_replay", _QWEN_MID),
       _case("glm5_1 2L mid", glm, "full", 4096, "selection_replay", _GLM_MID),
       _case("glm5_1 2L mid", glm, "full", 65536, "full", _GLM_MID),
-      _case("deepseek_v4 3L mid", dsv4, "full", 16384, "full", _DSV4_MID),
       _case("qwen3_8 2L mid", qwen, "full", 16384, "full", _QWEN_MID),
+      # Last: the V4 sparse-attention row of an earlier bench did not finish in its call (NOTES.md).
+      _case("deepseek_v4 3L mid", dsv4, "full", 16384, "selection_replay", _DSV4_MID),
+      _case("deepseek_v4 3L mid", dsv4, "full", 16384, "full", _DSV4_MID),
   ]
 
 
@@ -213,8 +214,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--smoke", action="store_true", help="tiny configs on CPU, seconds")
   parser.add_argument("--out", default="bench/results/memory_check.json", help="JSON, rewritten after each row")
-  parser.add_argument("--only", nargs="*", default=None, help="run the cases whose index (0-based) is listed")
-  parser.add_argument("--budget-s", type=float, default=230.0, help="start no case past this many seconds")
+  parser.add_argument("--only", nargs="*", default=None, help="run only these cases, by 0-based index in the list")
+  parser.add_argument("--budget-s", type=float, default=200.0,
+                      help="start no case past this many seconds; the last may run 40 s more")
   parser.add_argument("--case-timeout-s", type=float, default=150.0, help="kill a child after this long")
   parser.add_argument("--data-dir", default=os.environ.get("HYSCALE_DATA_DIR") or "/tmp/hyscale_memory_check_data")
   parser.add_argument("--force", action="store_true", help="run cases even when the estimate exceeds the device")
@@ -244,7 +246,7 @@ def main() -> None:
     if elapsed > args.budget_s:
       result = dict(status=f"skipped: budget ({elapsed:.0f}s > {args.budget_s:.0f}s)")
     else:
-      timeout = min(args.case_timeout_s, max(args.budget_s + 60 - elapsed, 30))
+      timeout = min(args.case_timeout_s, max(args.budget_s + 40 - elapsed, 30))
       cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(case), "--data-dir", args.data_dir]
       cmd += ["--force"] if args.force else []
       t0 = time.perf_counter()
