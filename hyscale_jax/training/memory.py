@@ -26,7 +26,7 @@ from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.sharding import BATCH_AXES
 
 # One layer's intermediates alive at once in its backward pass: the recomputed forward and their
-# gradients.
+# gradients. A prior (1 = the forward's set, 2 = each with its gradient), not yet fitted to a peak.
 LAYER_TRANSIENT_COPIES = 1.5
 # [rows, V] f32 buffers at the loss: the logits and their gradient.
 LOGITS_COPIES = 2.0
