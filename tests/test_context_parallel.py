@@ -206,3 +206,20 @@ def test_indexer_loss_and_gradients_match_one_device(form):
   np.testing.assert_allclose(got, want, rtol=1e-5)
   for g, w in zip(got_g, want_g):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_one_device_context_axis_takes_the_shard_map_path_when_asked():
+  from hyscale_jax.ops import _context  # noqa: PLC0415
+
+  rng = np.random.default_rng(5)
+  B, T, H, D, topk = 1, 32, 2, 8, 5
+  q, k, w = _ints(rng, (B, T, H, D)), _ints(rng, (B, T, D)), _ints(rng, (B, T, H))
+  select = lambda q, k, w: ops.flash_topk(q, k, w, topk=topk)
+  want = select(q, k, w)
+  with jax.set_mesh(_mesh(1)):
+    assert "shard_map" not in str(jax.make_jaxpr(select)(q, k, w))  # a 1-way split is skipped by default
+    with _context.shard_map_on_one_device():
+      assert "shard_map" in str(jax.make_jaxpr(select)(q, k, w))
+      got = jax.jit(select)(q, k, w)
+    assert "shard_map" not in str(jax.make_jaxpr(select)(q, k, w))  # restored on exit
+  np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))

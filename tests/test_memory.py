@@ -42,3 +42,52 @@ def test_train_stops_before_compute_when_the_model_cannot_fit(tmp_path):
   with pytest.raises(MemoryError, match="parameters, gradients and AdamW state alone"):
     lm.train_and_evaluate(config, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()  # nothing was written or computed
+
+
+def test_train_stops_with_the_estimate_and_knobs_when_the_device_is_too_small(tmp_path, monkeypatch):
+  config = glm5_1.get_config("tiny")
+  config.data.update(seq_len=1 << 14, batch_size=1)  # no data is read: the preflight stops first
+  cfg = ModelConfig.from_config(config.model)
+  need = memory.estimate_training_memory(cfg, batch_size=1, seq_len=1 << 14).total
+  monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None: need // 2)
+  with pytest.raises(MemoryError) as info:
+    lm.train_and_evaluate(config, str(tmp_path / "run"))
+  text = str(info.value)
+  assert f"about {need / 2**30:.2f} GiB" in text and "logits" in text, text  # the estimate, by component
+  for knob in ("remat_policy=full", "mesh.context=", "data.seq_len=", "memory_preflight=false"):
+    assert knob in text, (knob, text)
+  assert not (tmp_path / "run").exists()
+
+
+def test_selection_replay_saves_the_selection_of_indexer_layers_only():
+  from configs import qwen3_8_flash_next  # noqa: PLC0415
+
+  for get_config in (deepseek_v4_flash.get_config, qwen3_8_flash_next.get_config):
+    cfg = ModelConfig.from_config(get_config("tiny").model)
+    est = lambda policy: memory.estimate_training_memory(dataclasses.replace(cfg, remat_policy=policy),
+                                                         batch_size=1, seq_len=1024, param_count=10**6)
+    saved = {p: est(p).components["saved selection and attention"] for p in ("full", "selection_replay", "none")}
+    assert saved["full"] == 0 < saved["selection_replay"] < saved["none"], saved
+    assert est("full").components["one layer's transients"] > 0
+
+
+def test_memory_check_smoke_runs_and_writes_json(tmp_path):
+  """bench/memory_check.py --smoke: a child process per config, the table, the JSON (CPU: compiled figures)."""
+  import json  # noqa: PLC0415
+  import os  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "memory_check.json"
+  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "bench/memory_check.py", "--smoke", "--only", "0", "--out", str(out),
+                         "--data-dir", str(tmp_path / "data")], cwd=root, env=env, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert len(rows) == 1 and rows[0]["status"] == "ok", rows
+  row = rows[0]
+  assert row["measured_bytes"] > 0 and row["estimate_bytes"] > 0 and "ratio" in row
+  assert row["measured_source"].startswith("compiled memory_analysis")  # CPU: no device memory stats
+  assert all(abs(x) < 20 for x in row["losses"]) and "est GiB" in proc.stdout

@@ -11,21 +11,49 @@ back to their owners.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import jax
 from jax.sharding import PartitionSpec as P
 
 from hyscale_jax.sharding import BATCH_AXES, CONTEXT_AXIS
 
 
+_ONE_DEVICE = threading.local()
+
+
+@contextlib.contextmanager
+def shard_map_on_one_device():
+  """While active, a `context` axis of size 1 also takes the shard_map path (same results).
+
+  For exercising the context-parallel lowering on a single device (bench/context_parallel.py);
+  training leaves it off, since a 1-way split only adds the shard_map boundary. The ops decide
+  inside their jitted bodies, whose trace caches do not see this switch, so entering and leaving
+  it clears JAX's caches (everything traced afterwards recompiles).
+  """
+  previous = getattr(_ONE_DEVICE, "on", False)
+  jax.clear_caches()
+  _ONE_DEVICE.on = True
+  try:
+    yield
+  finally:
+    _ONE_DEVICE.on = previous
+    jax.clear_caches()
+
+
 def context_mesh():
-  """The ambient mesh when it splits the sequence (a `context` axis of size > 1), else None."""
+  """The ambient mesh when it splits the sequence (a `context` axis of size > 1), else None.
+
+  Under `shard_map_on_one_device()` a `context` axis of size 1 counts too.
+  """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty or CONTEXT_AXIS not in mesh.axis_names:
     return None
   axis_type = dict(zip(mesh.axis_names, mesh.axis_types))[CONTEXT_AXIS]
   if axis_type == jax.sharding.AxisType.Manual:  # already inside a shard_map over the axis
     return None
-  return mesh if mesh.shape[CONTEXT_AXIS] > 1 else None
+  return mesh if mesh.shape[CONTEXT_AXIS] > 1 or getattr(_ONE_DEVICE, "on", False) else None
 
 
 def _batch_axes(mesh) -> tuple[str, ...]:

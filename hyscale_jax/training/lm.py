@@ -12,6 +12,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,16 +107,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[
   Returns:
     The metric rows logged by this run (also appended to `<workdir>/metrics.jsonl`).
   """
-  cfg = _model_config(config)  # every config error surfaces here, before any compute
-  mesh = _mesh(config, cfg)
+  cfg, mesh = setup(config)  # every config error surfaces here, before any compute
   if config.train.get("memory_preflight", True):
-    estimate = memory.preflight(cfg, batch_size=config.data.batch_size, seq_len=config.data.seq_len,
-                                mesh_shape=dict(mesh.shape), available=memory.device_memory_bytes())
+    estimate = memory_preflight(config, cfg, mesh, available=memory.device_memory_bytes())
     logging.info("memory preflight: about %s per device", estimate.describe())
   check_workdir(workdir)
   rules = shd.rules_from_config(config.mesh)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     return _train(config, cfg, mesh, rules, workdir)
+
+
+def setup(config: ml_collections.ConfigDict) -> tuple[ModelConfig, jax.sharding.Mesh]:
+  """The validated model config and the mesh of `config`; raises ValueError before any compute."""
+  cfg = _model_config(config)
+  return cfg, _mesh(config, cfg)
+
+
+def memory_preflight(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh, *,
+                     available: int | None) -> memory.MemoryEstimate:
+  """`memory.preflight` for this config's batch, sequence and mesh (None available: never raises)."""
+  return memory.preflight(cfg, batch_size=config.data.batch_size, seq_len=config.data.seq_len,
+                          mesh_shape=dict(mesh.shape), available=available)
 
 
 def _mesh(config, cfg: ModelConfig) -> jax.sharding.Mesh:
@@ -148,10 +161,81 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
   if data.vocab_size > cfg.vocab_size:
     raise ValueError(f"the tokenizer has {data.vocab_size} tokens > model.vocab_size={cfg.vocab_size}.")
 
+  training = build_training(config, cfg, mesh, rules)
+  state, train_step, evaluate, objective = training.state, training.train_step, training.evaluate, training.objective
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=train.checkpoint_every)
+  restored = checkpointer.restore_latest(state)
+  start = 0
+  if restored is not None:
+    start, state, _ = restored
+    logging.info("resuming at step %d", start)
+
+  metrics_writer = MetricWriter(workdir)
+  tensorboard = _tensorboard(workdir)
+  tokens_per_step = config.data.batch_size * config.data.seq_len
+  logged, window_start, window_steps = [], time.perf_counter(), 0
+  bar = tqdm(range(start, train.steps), initial=start, total=train.steps, unit="step", desc=cfg.architecture,
+             disable=not (train.progress_bar and sys.stderr.isatty()))
+  for step in bar:
+    if train.stop_at_step and step >= train.stop_at_step:
+      logging.info("stopping at step %d (train.stop_at_step); rerun to continue", step)
+      break
+    dense = step < train.warmup_steps
+    batch = parallel.global_batch(mesh, data.batch(step))
+    state, metrics = train_step(state, batch, dense)
+    if not bool(metrics["finite"]):
+      # The state is the pre-step state, so the gradients can be recomputed to name the culprit.
+      grads = lambda: jax.jit(jax.grad(lambda p: objective(p, state["rest"], batch, dense)[0]))(state["params"])
+      _handle_nonfinite(train.nonfinite, step, metrics, grads, int(state["skipped_steps"]), checkpointer)
+    window_steps += 1
+    done = step + 1
+    if done % train.log_every == 0 or done == train.steps:
+      metrics = {k: float(v) for k, v in metrics.items() if k != "finite"}
+      metrics["skipped_steps"] = int(state["skipped_steps"])
+      elapsed = time.perf_counter() - window_start
+      val = parallel.global_batch(mesh, validation.batch(0))
+      row = metrics_writer.write(done, dict(
+          **metrics, val_lm_loss=evaluate(state["params"], state["rest"], val, dense),
+          stage=DENSE_STAGE if dense else SPARSE_STAGE, tokens_per_sec=window_steps * tokens_per_step / elapsed,
+          lr=training.main_lr(step), indexer_lr=training.indexer_lr(step)))
+      if tensorboard is not None:
+        for key, value in row.items():
+          if key != "step":
+            tensorboard.add_scalar(key, value, done)
+        tensorboard.flush()
+      logged.append(row)
+      bar.set_postfix(loss=f"{row['loss']:.4f}")
+      window_start, window_steps = time.perf_counter(), 0
+    last = done == train.steps or done == train.stop_at_step
+    checkpointer.maybe_save(done, state, {"step": done, "stage": int(not dense)}, force=last)
+  checkpointer.close()
+  if tensorboard is not None:
+    tensorboard.close()
+  return logged
+
+
+class Training(NamedTuple):
+  """What `build_training` returns: the sharded state and the jitted functions train.py runs."""
+
+  state: dict  # params, rest (non-parameter variables), opt_state, skipped_steps
+  state_shardings: dict
+  train_step: Callable  # (state, batch, dense) -> (state, metrics); jitted, donates state
+  evaluate: Callable  # (params, rest, batch, dense) -> lm loss; jitted
+  objective: Callable  # (params, rest, batch, dense) -> (total, (lm, aux)); not jitted
+  main_lr: Callable
+  indexer_lr: Callable
+
+
+def build_training(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh, rules) -> Training:
+  """The model (or `config.init_from`), AdamW, the sharded state and the train step of train.py.
+
+  Call under `jax.set_mesh(mesh)` and `nnx.logical_axis_rules(rules)`. Benchmarks use it to run
+  and measure exactly the step that `train_and_evaluate` runs.
+  """
   if config.get("init_from"):  # streamed straight into the replicated sharding; no random init
     model = convert.load_pretrained(config.init_from, cfg, sharding=NamedSharding(mesh, P()))
   else:
-    model = models.build(cfg, rngs=nnx.Rngs(train.seed))
+    model = models.build(cfg, rngs=nnx.Rngs(config.train.seed))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tx, main_lr, indexer_lr = make_optimizer(config, params)
   state = {"params": params, "rest": rest, "opt_state": tx.init(params), "skipped_steps": jnp.int32(0)}
@@ -159,12 +243,6 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
   # rules; the rest is replicated. A checkpoint restores into these shardings whatever mesh wrote it.
   state_shardings = shd.state_shardings(state, mesh, rules)
   state = jax.device_put(state, state_shardings)
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=train.checkpoint_every)
-  restored = checkpointer.restore_latest(state)
-  start = 0
-  if restored is not None:
-    start, state, _ = restored
-    logging.info("resuming at step %d", start)
 
   def forward(params, rest, batch, dense):
     model = nnx.merge(graphdef, params, rest)
@@ -205,48 +283,7 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
   def evaluate(params, rest, batch, dense):
     return forward(params, rest, batch, dense)[0]
 
-  metrics_writer = MetricWriter(workdir)
-  tensorboard = _tensorboard(workdir)
-  tokens_per_step = config.data.batch_size * config.data.seq_len
-  logged, window_start, window_steps = [], time.perf_counter(), 0
-  bar = tqdm(range(start, train.steps), initial=start, total=train.steps, unit="step", desc=cfg.architecture,
-             disable=not (train.progress_bar and sys.stderr.isatty()))
-  for step in bar:
-    if train.stop_at_step and step >= train.stop_at_step:
-      logging.info("stopping at step %d (train.stop_at_step); rerun to continue", step)
-      break
-    dense = step < train.warmup_steps
-    batch = parallel.global_batch(mesh, data.batch(step))
-    state, metrics = train_step(state, batch, dense)
-    if not bool(metrics["finite"]):
-      # The state is the pre-step state, so the gradients can be recomputed to name the culprit.
-      grads = lambda: jax.jit(jax.grad(lambda p: objective(p, state["rest"], batch, dense)[0]))(state["params"])
-      _handle_nonfinite(train.nonfinite, step, metrics, grads, int(state["skipped_steps"]), checkpointer)
-    window_steps += 1
-    done = step + 1
-    if done % train.log_every == 0 or done == train.steps:
-      metrics = {k: float(v) for k, v in metrics.items() if k != "finite"}
-      metrics["skipped_steps"] = int(state["skipped_steps"])
-      elapsed = time.perf_counter() - window_start
-      val = parallel.global_batch(mesh, validation.batch(0))
-      row = metrics_writer.write(done, dict(
-          **metrics, val_lm_loss=evaluate(state["params"], state["rest"], val, dense),
-          stage=DENSE_STAGE if dense else SPARSE_STAGE, tokens_per_sec=window_steps * tokens_per_step / elapsed,
-          lr=main_lr(step), indexer_lr=indexer_lr(step)))
-      if tensorboard is not None:
-        for key, value in row.items():
-          if key != "step":
-            tensorboard.add_scalar(key, value, done)
-        tensorboard.flush()
-      logged.append(row)
-      bar.set_postfix(loss=f"{row['loss']:.4f}")
-      window_start, window_steps = time.perf_counter(), 0
-    last = done == train.steps or done == train.stop_at_step
-    checkpointer.maybe_save(done, state, {"step": done, "stage": int(not dense)}, force=last)
-  checkpointer.close()
-  if tensorboard is not None:
-    tensorboard.close()
-  return logged
+  return Training(state, state_shardings, train_step, evaluate, objective, main_lr, indexer_lr)
 
 
 def _handle_nonfinite(policy, step, metrics, grads, skipped, checkpointer):

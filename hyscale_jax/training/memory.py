@@ -3,11 +3,13 @@
 The estimate adds, per device:
 - parameters, gradients and the two AdamW moments (param dtype), divided over `param_shards`;
 - what the per-layer `jax.checkpoint` keeps for the backward pass: each layer's input, and under
-  `"selection_replay"` (or `"none"`) the selection and the attention's out/lse of every layer;
+  `"selection_replay"` the selection (i32, layers with an indexer) and the attention's out/lse of
+  every layer; under `"none"` every layer's intermediates;
 - the f32 logits and their gradient;
-- the largest transient of one layer: the all-gathered key rows under context parallelism and the
-  MoE's dispatched token copies (x3 for the expert SwiGLU).
-It is an estimate of the dominant terms, not of XLA's exact buffer assignment.
+- the largest transient of one layer: its intermediates while its backward runs (the recomputed
+  forward and their gradients), or the all-gathered key rows under context parallelism.
+It is an estimate of the dominant terms, not of XLA's exact buffer assignment. The copy factors
+below are what to calibrate against measured peaks (`bench/memory_check.py` prints every term).
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ import jax.numpy as jnp
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.sharding import BATCH_AXES
 
+# One layer's intermediates alive at once in its backward pass: the recomputed forward and their
+# gradients. A prior (1 = the forward's set, 2 = each with its gradient), not yet fitted to a peak.
+LAYER_TRANSIENT_COPIES = 1.5
+# [rows, V] f32 buffers at the loss: the logits and their gradient.
+LOGITS_COPIES = 2.0
+
 
 def _attention_dims(cfg: ModelConfig) -> tuple[int, int, int]:
   """(selected keys per query, attention-output width per head, key-row width) for cfg's family."""
@@ -31,6 +39,42 @@ def _attention_dims(cfg: ModelConfig) -> tuple[int, int, int]:
   if cfg.architecture == "qwen4_exp":
     return cfg.index_topk * cfg.qsa_block + cfg.qsa_block - 1, cfg.head_dim, 2 * cfg.n_kv_heads * cfg.head_dim
   return cfg.index_topk, cfg.kv_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_dim
+
+
+def _has_indexer(cfg: ModelConfig, layer: int) -> bool:
+  """Whether `layer` runs `flash_topk` (so `"selection_replay"` saves its i32[T, index_topk])."""
+  if cfg.architecture == "deepseek_v4":
+    return cfg.layer_kind(layer) == "csa"
+  if cfg.architecture == "qwen4_exp":
+    return cfg.layer_types[layer] == "qsa"
+  return cfg.has_indexer(layer)
+
+
+def _layer_bytes_per_token(cfg: ModelConfig, layer: int, seq_len: int) -> float:
+  """Bytes per token of one layer's large intermediates (matmul outputs, attention out, indices)."""
+  a = jnp.dtype(cfg.dtype).itemsize
+  D, H, k = cfg.d_model, cfg.n_heads, cfg.experts_per_token
+  index = cfg.index_n_heads * cfg.index_head_dim + cfg.index_head_dim + cfg.index_n_heads
+  if cfg.architecture == "deepseek_v4":
+    hd, kind = cfg.head_dim, cfg.layer_kind(layer)
+    attn = 2 * cfg.q_lora_rank + 2 * H * hd + 2 * hd + 2 * H * hd + cfg.o_groups * cfg.o_lora_rank
+    attended = cfg.sliding_window + {"csa": cfg.index_topk, "hca": seq_len // max(cfg.compress_ratios[layer], 1),
+                                     "swa": 0}[kind]
+    attn += index if kind == "csa" else 0
+  elif cfg.architecture == "qwen4_exp":
+    hd = cfg.head_dim
+    attn = 2 * H * hd + 4 * cfg.n_kv_heads * hd + 2 * H * hd + index
+    attended = cfg.index_topk * cfg.qsa_block + cfg.qsa_block - 1
+  else:
+    L, R, nope = cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.qk_nope_dim
+    attn = (2 * cfg.q_lora_rank + H * (nope + R) + H * L + H * (L + R) + 2 * (L + R) + L + H * L
+            + H * cfg.v_head_dim + (index if cfg.has_indexer(layer) else 0))
+    attended = cfg.index_topk
+  if cfg.is_moe(layer):  # dispatched token copies in and out, the experts' SwiGLU, the shared experts
+    mlp = 2 * k * D + 3 * k * cfg.moe_inter + 3 * cfg.n_shared_experts * cfg.moe_inter
+  else:
+    mlp = 3 * cfg.dense_inter
+  return (attn + mlp + 4 * D) * a + (2 * H + cfg.n_routed_experts) * 4 + attended * 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,18 +109,24 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
     param_count = models.count_params(cfg)[0]
   p_bytes, a_bytes = jnp.dtype(cfg.param_dtype).itemsize, jnp.dtype(cfg.dtype).itemsize
   rows = batch_size / data_shards * seq_len / context_shards  # tokens on this device
-  selected, out_width, key_width = _attention_dims(cfg)
-  saves_attention = cfg.remat_policy in ("selection_replay", "none")
+  _, out_width, key_width = _attention_dims(cfg)
+  per_layer = [_layer_bytes_per_token(cfg, i, seq_len) for i in range(cfg.n_layers)]
+  if cfg.remat_policy == "none":
+    saved = sum(per_layer)
+  elif cfg.remat_policy == "selection_replay":
+    saved = sum(cfg.n_heads * (out_width * a_bytes + 4) + (cfg.index_topk * 4 if _has_indexer(cfg, i) else 0)
+                for i in range(cfg.n_layers))
+  else:
+    saved = 0
   components = {
       "parameters": param_count * p_bytes / param_shards,
       "gradients": param_count * p_bytes / param_shards,
       "optimizer": 2 * param_count * p_bytes / param_shards,
       "layer inputs": cfg.n_layers * rows * cfg.d_model * a_bytes,
-      "saved selection and attention": (cfg.n_layers * rows * (selected * 4 + cfg.n_heads * (out_width * a_bytes + 4))
-                                        if saves_attention else 0),
-      "logits": 2 * rows * cfg.vocab_size * 4,
+      "saved selection and attention": rows * saved,
+      "logits": LOGITS_COPIES * rows * cfg.vocab_size * 4,
       "one layer's transients": max(batch_size / data_shards * seq_len * key_width * a_bytes,
-                                    3 * rows * cfg.experts_per_token * cfg.moe_inter * a_bytes),
+                                    LAYER_TRANSIENT_COPIES * rows * max(per_layer)),
   }
   return MemoryEstimate({k: int(v) for k, v in components.items()})
 
@@ -141,4 +191,4 @@ def preflight(cfg: ModelConfig, *, batch_size: int, seq_len: int, mesh_shape: di
       "Set --config.train.memory_preflight=false to try anyway.")
 
 
-__all__ = ["MemoryEstimate", "device_memory_bytes", "estimate_training_memory", "preflight"]
+__all__ = ["LAYER_TRANSIENT_COPIES", "LOGITS_COPIES", "MemoryEstimate", "device_memory_bytes", "estimate_training_memory", "preflight"]
