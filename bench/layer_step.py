@@ -3,7 +3,7 @@
     python bench/layer_step.py run --layers dsa --seq 16384 131072 --out bench/results/layer_step.json
     python bench/layer_step.py run --layers csa qsa --seq 65536 --append --out bench/results/layer_step.json
     python bench/layer_step.py plot --out bench/results/layer_step.json   # PNGs under bench/plots/
-    python bench/layer_step.py run --smoke --out /tmp/smoke.json           # tiny shapes on CPU, seconds
+    python bench/layer_step.py run --smoke --layers dsa --modes megatron_style hyscale --out /tmp/smoke.json
 
 Layers (the `full` configs, batch 1, bf16 parameters and activations):
 - `dsa`: GLM-5.1 MLA + DSA (d 6144, 64 heads, absorbed 576/512, indexer 32 x 128, k = 2048).
@@ -476,7 +476,7 @@ def main(argv=None):
       args.breakdown_seq = 128
     return plot(args)
   if args.smoke:
-    args.reps, args.ablation = 1, True
+    args.reps = 1
   return run(args)
 
 
