@@ -1,6 +1,7 @@
 """Memory and communication plan for a config at long context on N GPUs, from the real model shapes.
 
   python bench/context_plan.py --config configs/glm5_1.py:full --seq 1048576 --gpus 8 32 512
+  python bench/context_plan.py --smoke --out /tmp/smoke.json   # the tiny config, in seconds
 
 Mesh per GPU count: context parallelism over `min(N, --max-context)` devices (the sequence is split
 zigzag; keys are all-gathered), and the remaining factor as expert parallelism for the MoE, with
@@ -90,7 +91,10 @@ def main():
   parser.add_argument("--gpus", type=int, nargs="+", default=[8, 32, 512])
   parser.add_argument("--max-context", type=int, default=64)
   parser.add_argument("--out", default=None)
+  parser.add_argument("--smoke", action="store_true", help="the tiny GLM at 4096 tokens on 8 GPUs, in seconds")
   args = parser.parse_args()
+  if args.smoke:
+    args.config, args.seq, args.gpus, args.max_context = "configs/glm5_1.py:tiny", 4096, [8], 8
   cfg = load_config(args.config)
   rows = [plan(cfg, args.seq, n, args.max_context) for n in args.gpus]
   gb = lambda b: f"{b / 1e9:,.2f}"

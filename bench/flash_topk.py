@@ -5,6 +5,7 @@ Run on the H200 (one call per mode; every figure in a table comes from the same 
   python bench/flash_topk.py check                 # GPU correctness: bit-exact on integer inputs
   python bench/flash_topk.py tune --seq 16384      # main-pass configs at one shape
   python bench/flash_topk.py table --shapes dsa16k dsa64k glm64k --out flash_topk.json
+  python bench/flash_topk.py table --smoke --out /tmp/smoke.json   # tiny shapes on CPU (interpret), seconds
 
 FLOPs are causal-effective: 2·H·D per visible (query, key) pair. "ceiling" is the same main pass with
 the threshold at +inf, so it scores and masks every visible pair and selects nothing: the cost of
@@ -38,6 +39,7 @@ SHAPES = {
     "csa128k": (131072, 64, 128, 512, 4, True),
     "qsa128k": (131072, 4, 128, 512, 4, False),
     "dsa1m": (1048576, 64, 128, 2048, 1, True),
+    "smoke": (256, 4, 16, 32, 1, True),
 }
 
 
@@ -94,7 +96,7 @@ def ceiling_fn(topk, compress_ratio, config):
     t = jnp.full(q.shape[:2], jnp.inf, jnp.float32)
     c = flash_topk_candidates(q, k, w, t, q_offset=0, segment_ids=None, topk=topk,
                               compress_ratio=compress_ratio, scale=128**-0.5, slots=1024, config=config,
-                              interpret=False)
+                              interpret=jax.default_backend() != "gpu")
     return c.n_above, c.n_visible
   return fn
 
@@ -218,14 +220,17 @@ def run_table(shapes, config, reps, skip):
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("mode", choices=("check", "tune", "breakdown", "memory", "table"))
+  parser.add_argument("mode", nargs="?", default="table", choices=("check", "tune", "breakdown", "memory", "table"))
   parser.add_argument("--seq", type=int, default=16384)
   parser.add_argument("--shapes", nargs="+", default=["dsa16k", "dsa64k"])
   parser.add_argument("--only", nargs="*", default=None, help="variants to run (default: all)")
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--config", type=json.loads, default={}, help="Config fields as JSON")
   parser.add_argument("--out", default=None)
+  parser.add_argument("--smoke", action="store_true", help="the table at a tiny shape on any device, in seconds")
   args = parser.parse_args()
+  if args.smoke:
+    args.mode, args.shapes, args.reps = "table", ["smoke"], 1
   print(jax.devices(), flush=True)
   if args.mode == "check":
     rows = run_check()

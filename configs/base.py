@@ -17,6 +17,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.ops.flash_topk = "auto"
   config.ops.sparse_attention = "auto"
   config.ops.indexer_loss = "auto"
+  # A named preset that overrides `ops` and the remat/holistic `model` fields: "" (none),
+  # "megatron_style", "+flashtopk", "+replay", "hyscale" or "+replay+<optimization>"
+  # (hyscale_jax/training/step_modes.py).
+  config.step_mode = ""
 
   # Device mesh: axis sizes whose product is the devices used (-1: the rest). The batch is split over
   # data x fsdp x expert, the sequence over context (context parallelism), routed experts over

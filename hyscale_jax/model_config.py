@@ -89,6 +89,12 @@ class ModelConfig:
   qsa_block: int = 4
   indexer_pool: str = "sum"
   indexer_frozen: bool = False
+  # Holistic step optimizations (hyscale_jax/step_modes.py; same values and gradients, less work):
+  # the indexer loss computes its gradient in the forward pass and saves it (DSA and CSA layers),
+  # so neither the backward pass nor the "selection_replay" rematerialization reruns the teacher.
+  indexer_loss_grad_in_forward: bool = False
+  # QSA's block indexer loss runs over this many query rows at a time (0: all rows at once).
+  qsa_loss_chunk: int = 0
   # Numerics and memory.
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -121,6 +127,8 @@ class ModelConfig:
       raise NotImplementedError(
           f"model.hc_mult={self.hc_mult} (residual streams: DeepSeek-V4 mHC, Qwen4-Exp gated residual) and "
           f"model.shared_expert_gate={self.shared_expert_gate} are not implemented; use 0 and False.")
+    if not isinstance(self.qsa_loss_chunk, int) or self.qsa_loss_chunk < 0:
+      raise ValueError(f"model.qsa_loss_chunk={self.qsa_loss_chunk!r} must be an int >= 0 (0: unchunked).")
     if self.swiglu_limit < 0:
       raise ValueError(f"model.swiglu_limit={self.swiglu_limit} must be >= 0 (0 disables the clamp).")
     if self.architecture == "deepseek_v4":

@@ -4,7 +4,8 @@ Selection replay: `ops.flash_topk` tags its outputs with `SELECTION` right where
 `ops.sparse_attention` tags its `out` and `lse` with `ATTENTION_OUT` / `ATTENTION_LSE`. The
 `"selection_replay"` policy saves exactly these, so the backward pass of a rematerialized layer
 reuses the forward pass's selection (no second top-k) and the attention's residuals (no second
-attention forward), and recomputes everything else.
+attention forward), and recomputes everything else. It also saves `INDEXER_GRADS` where the
+indexer loss computes its gradient in the forward pass, so the loss is not recomputed either.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from jax.ad_checkpoint import checkpoint_name
 SELECTION = "hyscale_selection"
 ATTENTION_OUT = "hyscale_attention_out"
 ATTENTION_LSE = "hyscale_attention_lse"
+# The indexer loss's gradient, computed in its forward pass (`ops.indexer_loss(grad_in_forward=True)`).
+INDEXER_GRADS = "hyscale_indexer_grads"
 
 RematPolicy = Literal["selection_replay", "full", "none"]
 REMAT_POLICIES: tuple[str, ...] = get_args(RematPolicy)
@@ -33,7 +36,8 @@ def tag(x, name: str):
 def checkpoint_policy(policy: RematPolicy):
   """The `jax.checkpoint` policy for a policy name, or None for `"none"` (no rematerialization).
 
-  - `"selection_replay"`: save the selection and the attention's out/lse, recompute the rest.
+  - `"selection_replay"`: save the selection, the attention's out/lse and (when present) the
+    indexer loss's forward-pass gradient; recompute the rest.
   - `"full"`: save nothing; the backward pass reruns selection (the Megatron-style baseline).
   - `"none"`: no remat; every residual is kept.
 
@@ -41,7 +45,7 @@ def checkpoint_policy(policy: RematPolicy):
     ValueError: `policy` is not one of REMAT_POLICIES.
   """
   if policy == "selection_replay":
-    return jax.checkpoint_policies.save_only_these_names(SELECTION, ATTENTION_OUT, ATTENTION_LSE)
+    return jax.checkpoint_policies.save_only_these_names(SELECTION, ATTENTION_OUT, ATTENTION_LSE, INDEXER_GRADS)
   if policy == "full":
     return jax.checkpoint_policies.nothing_saveable
   if policy == "none":

@@ -286,3 +286,21 @@ def test_bad_segment_ids_raise_value_error(segment_ids, fragment):
   with pytest.raises(ValueError, match="segment_ids") as info:
     _call(dict(_GOOD, indices=None, attn_lse=None), segment_ids=segment_ids)
   assert fragment in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("variant", ["xla_baseline", "grad_in_forward"])
+def test_sparse_variants_match_reference(variant):
+  """The Megatron-style rescoring backward and the forward-pass gradient: same loss and gradients."""
+  rng = np.random.default_rng(3)
+  B, T, S, HI, DI, H, G, Dk, K = 2, 12, 12, 3, 8, 4, 2, 8, 5
+  (iq, ik, iw, aq, ak), scale = _make_inputs(rng, B, T, S, HI, DI, H, G, Dk, True)
+  idx = _sparse_indices(rng, B, T, S, K)
+  alse = _attention_lse(aq, ak, idx, scale)
+  kw = dict(attn_scale=scale, index_scale=_INDEX_SCALE)
+  run = (dict(backend="xla_baseline") if variant == "xla_baseline" else dict(grad_in_forward=True))
+  f = lambda run: lambda q, k, w: 3.0 * indexer_loss(q, k, w, aq, ak, alse, idx, **kw, **run)
+  want = jax.value_and_grad(f(dict(backend="reference")), argnums=(0, 1, 2))(iq, ik, iw)
+  got = jax.value_and_grad(f(run), argnums=(0, 1, 2))(iq, ik, iw)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  for g, w in zip(got[1], want[1]):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

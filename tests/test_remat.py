@@ -131,3 +131,36 @@ def test_indexer_gets_gradient_only_from_indexer_loss():
 def test_unknown_policy_is_rejected():
   with pytest.raises(ValueError, match="policy"):
     remat.checkpoint_policy("everything")
+
+
+def _counting_teacher(counter):
+  from hyscale_jax.ops.indexer_loss.reference import teacher_mass_reference  # noqa: PLC0415
+
+  def teacher(*args, **kwargs):
+    mass = teacher_mass_reference(*args, **kwargs)
+    return jax.pure_callback(counter, jax.ShapeDtypeStruct(mass.shape, mass.dtype), mass)
+  return teacher
+
+
+@pytest.mark.parametrize("grad_in_forward, policy, teachers", [
+    (False, "selection_replay", 3), (True, "selection_replay", 1), (True, "full", 2)])
+def test_indexer_loss_grad_in_forward_runs_the_teacher_once(grad_in_forward, policy, teachers):
+  """Unfused: forward, remat recompute and backward each run the teacher; fused and saved: once."""
+  from hyscale_jax.ops.indexer_loss import indexer_loss_reference  # noqa: PLC0415
+  counter = _Counter()
+  teacher = _counting_teacher(counter)
+  params, x = _inputs()
+  p = params[0]
+
+  def layer(p, x):
+    iq = jnp.einsum("btm,mhd->bthd", x, p["iq"])
+    ik, iw = x @ p["ik"], x @ p["iw"]
+    sel = ops.flash_topk(iq, ik, iw, topk=K)
+    q = jnp.einsum("btm,mhd->bthd", x, p["q"])
+    kv = (x @ p["kv"])[:, :, None, :]
+    _, lse = ops.sparse_attention(q, kv, kv, sel.indices, scale=D**-0.5)
+    return indexer_loss_reference(iq, ik, iw, q, kv, lse, sel.indices, attn_scale=D**-0.5,
+                                  teacher_mass=teacher, grad_in_forward=grad_in_forward, query_chunk=T)
+
+  jax.block_until_ready(jax.grad(remat.remat(layer, policy))(p, x))
+  assert counter.calls == teachers

@@ -150,7 +150,7 @@ class CompressedSparseAttention(nnx.Module):
       indexer_loss = ops.indexer_loss(
           *index_inputs, q, entries[:, :, None], lse, None if dense else selection,
           attn_scale=self.scale, index_scale=self.indexer.score_scale, compress_ratio=self.ratio,
-          segment_ids=segs, backend=backend("indexer_loss"))
+          segment_ids=segs, grad_in_forward=cfg.indexer_loss_grad_in_forward, backend=backend("indexer_loss"))
     # V carries RoPE: rotate the output's rope slice back to the query's frame.
     out = rope_tail(out, -positions, rope_dim=cfg.qk_rope_dim, theta=self.theta)
     groups = out.reshape(B, T, cfg.o_groups, -1)

@@ -144,6 +144,7 @@ class MLASparseAttention(nnx.Module):
       if index_inputs is not None:
         indexer_loss = ops.indexer_loss(*index_inputs, q, k, lse, indices, attn_scale=scale,
                                         index_scale=self.indexer.score_scale,
+                                        grad_in_forward=cfg.indexer_loss_grad_in_forward,
                                         backend=backend("indexer_loss"))
     heads = jnp.einsum("bthl,lhv->bthv", out, w_uv.astype(out.dtype))  # [B, T, H, v_head_dim]
     return AttentionOutput(self.o_proj(heads.reshape(B, T, -1)), indices, indexer_loss)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -54,7 +56,7 @@ def expand_blocks(blocks: Int[Array, "B T K"], segment_ids: Int[Array, "B T"], b
 
 
 def _block_kl(teacher_blocks, student_logits, support, pool: str):
-  """Mean over rows of KL(pool(teacher) normalised || softmax(student)) on `support` [B, T, N]."""
+  """(sum over rows, rows counted) of KL(pool(teacher) normalised || softmax(student)) on `support`."""
   pooled = teacher_blocks.max(-1) if pool == "max" else teacher_blocks.sum(-1)  # [B, T, N]
   pooled = jnp.where(support, pooled, 0.0)
   mass = pooled.sum(-1, keepdims=True)
@@ -62,7 +64,31 @@ def _block_kl(teacher_blocks, student_logits, support, pool: str):
   log_q = jax.nn.log_softmax(jnp.where(support, student_logits, -jnp.inf), axis=-1)
   kl = jnp.where(p > 0, p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_q), 0.0).sum(-1)
   rows = (mass[..., 0] > 0) & support.any(-1)
-  return jnp.sum(jnp.where(rows, kl, 0.0)) / jnp.maximum(rows.sum(), 1)
+  return jnp.sum(jnp.where(rows, kl, 0.0)), rows.sum()
+
+
+def _mean(kl_sum_and_rows):
+  kl_sum, rows = kl_sum_and_rows
+  return kl_sum / jnp.maximum(rows, 1)
+
+
+def _sparse_block_kl(index_q, block_keys, attn_q, attn_k, attn_lse, blocks, row_seg, q_seg, *, block,
+                     attn_scale, index_scale, pool):
+  """(KL sum, rows counted) over a run of query rows, given their selected blocks."""
+  B, T, H, _ = attn_q.shape
+  G, S = attn_k.shape[2], attn_k.shape[1]
+  K = blocks.shape[-1]
+  tokens = jnp.where(blocks[..., None] >= 0, blocks[..., None] * block + jnp.arange(block), -1)
+  tokens = tokens.reshape(B, T, K * block)
+  safe = jnp.clip(tokens, 0, S - 1)
+  k_sel = jax.vmap(lambda kb, ib: kb[ib])(attn_k, safe)  # [B, T, K*block, G, D]
+  logits = jnp.einsum("btgrd,btjgd->btgrj", attn_q.reshape(B, T, G, H // G, -1), k_sel,
+                      preferred_element_type=jnp.float32) * attn_scale
+  probs = jnp.exp(logits.reshape(B, T, H, -1) - attn_lse[..., None]).mean(2)  # [B, T, K*block]
+  tok_seg = jnp.take_along_axis(q_seg[:, None, :], safe, axis=2)
+  probs = jnp.where((tokens >= 0) & (tok_seg == row_seg[:, :, None]), probs, 0.0)
+  student = index_scores_at(index_q, block_keys, None, blocks, index_scale)
+  return _block_kl(probs.reshape(B, T, K, block), student, blocks >= 0, pool)
 
 
 def block_indexer_loss(
@@ -78,6 +104,7 @@ def block_indexer_loss(
     attn_scale: float,
     index_scale: float,
     pool: str = "sum",
+    query_chunk: int = 0,
 ) -> Float[Array, ""]:
   """QSA's block-level indexer KL (the community recipe of architectures.md §4.3; Qwen's is private).
 
@@ -88,24 +115,26 @@ def block_indexer_loss(
   selected blocks. Dense form (`blocks=None`): every visible block (b+1)*block <= t+1 of t's
   document; it builds the [T, T] attention of the dense warm-up, so use it at warm-up lengths.
   Gradients reach only index_q and block_keys.
+
+  `query_chunk` > 0 (sparse form): rows are processed that many at a time under `jax.checkpoint`,
+  so the gathered keys ([rows, K * block, G, D]) and logits never exist for all T rows at once;
+  the same value and gradient. 0 builds them for all rows (about 2 MB per row at the full QSA dims).
   """
   attn_q, attn_k, attn_lse = jax.lax.stop_gradient((attn_q, attn_k, attn_lse))
   B, T, H, _ = attn_q.shape
   G = attn_k.shape[2]
   q_seg, block_seg = segment_ids
   if blocks is not None:
-    K = blocks.shape[-1]
-    tokens = jnp.where(blocks[..., None] >= 0, blocks[..., None] * block + jnp.arange(block), -1)
-    tokens = tokens.reshape(B, T, K * block)
-    safe = jnp.clip(tokens, 0, T - 1)
-    k_sel = jax.vmap(lambda kb, ib: kb[ib])(attn_k, safe)  # [B, T, K*block, G, D]
-    logits = jnp.einsum("btgrd,btjgd->btgrj", attn_q.reshape(B, T, G, H // G, -1), k_sel,
-                        preferred_element_type=jnp.float32) * attn_scale
-    probs = jnp.exp(logits.reshape(B, T, H, -1) - attn_lse[..., None]).mean(2)  # [B, T, K*block]
-    tok_seg = jnp.take_along_axis(q_seg[:, None, :], safe, axis=2)
-    probs = jnp.where((tokens >= 0) & (tok_seg == q_seg[:, :, None]), probs, 0.0)
-    student = index_scores_at(index_q, block_keys, None, blocks, index_scale)
-    return _block_kl(probs.reshape(B, T, K, block), student, blocks >= 0, pool)
+    kl = functools.partial(_sparse_block_kl, block=block, attn_scale=attn_scale, index_scale=index_scale,
+                           pool=pool)
+    if not query_chunk or query_chunk >= T:
+      return _mean(kl(index_q, block_keys, attn_q, attn_k, attn_lse, blocks, q_seg, q_seg))
+    split, _ = st.row_chunks(query_chunk, T)
+    chunk_kl = jax.checkpoint(lambda xs: kl(xs[0], block_keys, xs[1], attn_k, xs[2], xs[3], xs[4], q_seg))
+    # Padded rows select nothing (blocks -1), so they count in neither sum.
+    sums, rows = jax.lax.map(chunk_kl, (split(index_q), split(attn_q), split(attn_lse), split(blocks, -1),
+                                        split(q_seg)))
+    return _mean((sums.sum(), rows.sum()))
   N = block_keys.shape[1]
   visible_tok = st.key_visible(jnp.arange(T), jnp.arange(T), 1, q_seg, q_seg)  # [B, T, T]
   logits = jnp.einsum("btgrd,bsgd->btgrs", attn_q.reshape(B, T, G, H // G, -1), attn_k,
@@ -114,7 +143,7 @@ def block_indexer_loss(
   probs = jnp.where(visible_tok, probs.reshape(B, T, H, T).mean(2), 0.0)[..., : N * block]
   student = index_scores(index_q, block_keys, None, index_scale)
   support = st.key_visible(jnp.arange(T), jnp.arange(N), block, q_seg, block_seg)
-  return _block_kl(probs.reshape(B, T, N, block), student, support, pool)
+  return _mean(_block_kl(probs.reshape(B, T, N, block), student, support, pool))
 
 
 class QSAIndexer(nnx.Module):
@@ -226,6 +255,7 @@ class QSAAttention(nnx.Module):
     if not cfg.indexer_frozen:
       loss = block_indexer_loss(index_q, block_keys, q, k, None if dense else lse, blocks, segs,
                                 block=cfg.qsa_block, attn_scale=self.scale,
-                                index_scale=self.indexer.score_scale, pool=cfg.indexer_pool)
+                                index_scale=self.indexer.score_scale, pool=cfg.indexer_pool,
+                                query_chunk=cfg.qsa_loss_chunk)
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
     return AttentionOutput(self.o_proj(out.reshape(B, T, -1)), blocks, loss)

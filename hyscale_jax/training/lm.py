@@ -29,7 +29,7 @@ from hyscale_jax import convert, models, parallel
 from hyscale_jax import sharding as shd
 from hyscale_jax.layers.moe import MoE, update_router_bias
 from hyscale_jax.model_config import ModelConfig
-from hyscale_jax.training import memory
+from hyscale_jax.training import memory, step_modes
 from hyscale_jax.training.checkpoints import Checkpointer
 from hyscale_jax.training.metrics import MetricWriter
 from hyscale_jax.training.text_data import PackedTextDataset
@@ -107,6 +107,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> list[
   Returns:
     The metric rows logged by this run (also appended to `<workdir>/metrics.jsonl`).
   """
+  config = step_modes.apply(config)  # `config.step_mode`'s backends and model fields, if set
   cfg, mesh = setup(config)  # every config error surfaces here, before any compute
   if config.train.get("memory_preflight", True):
     estimate = memory_preflight(config, cfg, mesh, available=memory.device_memory_bytes())

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from hyscale_jax.ops import _checks, _context
-from hyscale_jax.ops._registry import Backend, BackendRegistry
+from hyscale_jax.ops._registry import Backend, BackendRegistry, platform
 from hyscale_jax.ops.indexer_loss.reference import indexer_loss_reference
 
 REGISTRY = BackendRegistry(
@@ -37,6 +37,32 @@ REGISTRY.register_optional("pallas", "pallas_kernels.sparse_attention", "attenti
                            wrap=_with_pallas_teacher)
 
 
+def _xla_baseline(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices=None, *,
+                  bytes_budget=1 << 31, **kwargs):
+  """The Megatron-style baseline: the backward pass rescores every key of each row (dense chunks).
+
+  As Megatron-LM's FusedDSAIndexerLoss backward (architectures.md 1.9), the indexer logits are
+  recomputed against all S keys, `query_chunk` rows at a time (as many as fit `bytes_budget` of the
+  [rows, HI, S] f32 intermediate, like `flash_topk`'s `xla_baseline`), and the closed-form gradient
+  is pulled back through those dense rows. The forward pass and the teacher are ours (the Pallas
+  teacher on GPU), so only the rescoring differs; Megatron's dense [H, T, T] teacher would cost more.
+  """
+  if indices is None:
+    raise NotImplementedError("indexer_loss: xla_baseline covers the sparse form (indices given).")
+  B, _, HI, _ = index_q.shape
+  rows = max(1, min(index_q.shape[1], bytes_budget // (4 * B * HI * index_k.shape[1])))
+  teacher = {}
+  if platform() == "gpu" and "pallas" in REGISTRY.implementations:
+    from pallas_kernels.sparse_attention import attention_teacher_pallas  # noqa: PLC0415
+    teacher = dict(teacher_mass=attention_teacher_pallas)
+  kwargs.pop("grad_in_forward", None)
+  return indexer_loss_reference(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices,
+                                query_chunk=rows, rescore=True, **teacher, **kwargs)
+
+
+REGISTRY.implementations["xla_baseline"] = _xla_baseline
+
+
 def indexer_loss(
     index_q: Float[Array, "B T HI DI"],
     index_k: Float[Array, "B S DI"],
@@ -51,6 +77,7 @@ def indexer_loss(
     compress_ratio: int = 1,
     q_offset: int | Int[Array, ""] = 0,
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
+    grad_in_forward: bool = False,
     backend: Backend = "auto",
 ) -> Float[Array, ""]:
   """Mean over query rows of KL(p_t || softmax(I_t)) on each row's support (DeepSeek-V3.2 §2.1).
@@ -85,7 +112,11 @@ def indexer_loss(
     attn_scale: the attention's logit scale.
     index_scale: the indexer score scale.
     compress_ratio, q_offset, segment_ids: visibility of the dense form, as in `flash_topk`.
-    backend: "auto", "pallas" (sparse form only: the teacher from a Pallas kernel) or "reference".
+    grad_in_forward: sparse form: compute the gradient in the forward pass and save it (tagged
+      `remat.INDEXER_GRADS`), so neither the backward pass nor the `"selection_replay"`
+      rematerialization reruns the teacher. Same value and gradient; ignored by `xla_baseline`.
+    backend: "auto", "pallas" (sparse form only: the teacher from a Pallas kernel), "reference", or
+      "xla_baseline" (sparse form only: the Megatron-style backward that rescores every key).
 
   Returns:
     f32[] the loss.
@@ -108,7 +139,7 @@ def indexer_loss(
         names, index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices,
         attn_scale=float(attn_scale), index_scale=float(index_scale), compress_ratio=int(compress_ratio),
         q_offset=q_offset + row_offset, segment_ids=None if q_seg is None else (q_seg, kv_seg),
-        with_row_count=with_row_count,
+        with_row_count=with_row_count, grad_in_forward=bool(grad_in_forward),
     )
 
   local, full = (index_q, index_weights, attn_q, attn_lse, indices, q_seg), (index_k, attn_k, kv_seg)

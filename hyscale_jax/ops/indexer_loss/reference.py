@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from hyscale_jax import remat
 from hyscale_jax.ops import _streaming as st
 from hyscale_jax.ops.flash_topk.reference import index_scores, index_scores_at
 from hyscale_jax.ops.sparse_attention.reference import (
@@ -66,11 +67,12 @@ def _kl_rows(log_student, target):
   return terms.sum(axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk, teacher_mass):
-  """(f32[] mean KL over counted rows, i32[] rows counted)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk, teacher_mass,
+                 rescore=False):
+  """(f32[] mean KL over counted rows, i32[] rows counted); `rescore`: see `_rescored_grads`."""
   return _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk,
-                          teacher_mass)[0]
+                          teacher_mass, rescore)[0]
 
 
 def _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, chunk):
@@ -80,7 +82,8 @@ def _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, chunk)
 
 
 def _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk,
-                     teacher_mass):
+                     teacher_mass, rescore=False):
+  del rescore  # only the backward pass differs
 
   def chunk_rows(xs):
     iq, iw, aq, alse, idx = xs
@@ -93,25 +96,74 @@ def _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, 
   return (loss, n_valid), (index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, n_valid)
 
 
-def _sparse_loss_bwd(scales, chunk, teacher_mass, residuals, cts):
+def _chunk_grads(index_k, attn_k, scales, teacher_mass, coef, rescore, xs):
+  """One row chunk: (dq, dk, dw) of `coef * sum of the rows' KL`, and the rows' (KL, validity).
+
+  The logit gradient is the closed form `softmax(I) - p` on the support. `rescore` (the
+  Megatron-style baseline, `xla_baseline`) pulls it back through the dense score rows of the chunk
+  against every key, as Megatron's FusedDSAIndexerLoss backward does; otherwise through the scores
+  at the selected keys only (O(K) per row).
+  """
+  iq, iw, aq, alse, idx = xs
+  log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, scales, teacher_mass)
+  valid = valid_indices(idx, index_k.shape[1])
+  g = jnp.where(row_valid[..., None] & valid, jnp.exp(log_student) - target, 0.0) * coef  # [B, c, K]
+  if rescore:
+    scores = lambda q_, k_, w_: index_scores(q_, k_, w_, scales[0])  # [B, c, S]: every key, rescored
+    safe = jnp.where(valid, idx, 0)
+    g = jax.vmap(lambda gb, ib: jnp.zeros((ib.shape[0], index_k.shape[1]), jnp.float32).at[
+        jnp.arange(ib.shape[0])[:, None], ib].add(gb))(g, safe)
+  else:
+    scores = lambda q_, k_, w_: index_scores_at(q_, k_, w_, idx, scales[0])
+  _, pullback = jax.vjp(scores, iq, index_k, iw)
+  dq, dk, dw = pullback(g)
+  return (dq, dk.astype(jnp.float32), dw), (_kl_rows(log_student, target), row_valid)
+
+
+def _sparse_loss_bwd(scales, chunk, teacher_mass, rescore, residuals, cts):
   ct = cts[0]  # the row count is an integer: no cotangent
   index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, n_valid = residuals
   coef = ct / jnp.maximum(n_valid, 1).astype(jnp.float32)
 
   def chunk_grads(dk, xs):
-    iq, iw, aq, alse, idx = xs
-    log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, scales, teacher_mass)
-    g = jnp.where(row_valid[..., None], jnp.exp(log_student) - target, 0.0) * coef
-    scores = lambda q_, k_, w_: index_scores_at(q_, k_, w_, idx, scales[0])
-    _, pullback = jax.vjp(scores, iq, index_k, iw)
-    dq, dk_chunk, dw = pullback(jnp.where(valid_indices(idx, index_k.shape[1]), g, 0.0))
-    return dk + dk_chunk.astype(jnp.float32), (dq, dw)
+    (dq, dk_chunk, dw), _ = _chunk_grads(index_k, attn_k, scales, teacher_mass, coef, rescore, xs)
+    return dk + dk_chunk, (dq, dw)
 
   xs, join = _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, chunk)
   dk, (dq, dw) = jax.lax.scan(chunk_grads, jnp.zeros(index_k.shape, jnp.float32), xs)
   dq = join(dq).astype(index_q.dtype)
   dw = None if index_weights is None else join(dw).astype(index_weights.dtype)
   return dq, dk.astype(index_k.dtype), dw, None, None, None, None
+
+
+def _sparse_loss_grad_in_forward(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales,
+                                 chunk, teacher_mass):
+  """The sparse loss with its gradient computed in the same pass over the rows, and saved.
+
+  One scan computes each chunk's KL and its gradient at unit cotangent (the teacher once); the
+  loss is then `loss + <dq, q - sg(q)> + <dk, k - sg(k)> + <dw, w - sg(w)>`, whose value is the
+  loss and whose gradient is (dq, dk, dw) times the cotangent. The saved gradients are tagged
+  `remat.INDEXER_GRADS`, so under the `"selection_replay"` policy neither the backward pass nor
+  the rematerialization reruns the teacher. Costs [T, HI, DI] + [S, DI] + [T, HI] saved values.
+  """
+  sg = jax.lax.stop_gradient
+  iq0, ik0, iw0, aq, ak, alse = sg((index_q, index_k, index_weights, attn_q, attn_k, attn_lse))
+
+  def chunk_grads(dk, xs):
+    (dq, dk_chunk, dw), rows = _chunk_grads(ik0, ak, scales, teacher_mass, jnp.float32(1), False, xs)
+    return dk + dk_chunk, (dq, dw, rows)
+
+  xs, join = _sparse_row_chunks(iq0, iw0, aq, alse, indices, chunk)
+  dk, (dq, dw, (row_kl, row_valid)) = jax.lax.scan(chunk_grads, jnp.zeros(ik0.shape, jnp.float32), xs)
+  loss, n_valid = _row_mean(row_kl, row_valid)
+  inv = 1.0 / jnp.maximum(n_valid, 1).astype(jnp.float32)
+  grads = [(join(dq) * inv, index_q), (dk * inv, index_k)]
+  if index_weights is not None:
+    grads.append((join(dw) * inv, index_weights))
+  for g, x in grads:
+    g = remat.tag(g.astype(x.dtype), remat.INDEXER_GRADS)
+    loss = loss + jnp.sum((g * (x - sg(x))).astype(jnp.float32))
+  return loss, n_valid
 
 
 _sparse_loss.defvjp(_sparse_loss_fwd, _sparse_loss_bwd)
@@ -312,6 +364,8 @@ def indexer_loss_reference(
     key_chunk: int = 256,
     teacher_mass=teacher_mass_reference,
     with_row_count: bool = False,
+    grad_in_forward: bool = False,
+    rescore: bool = False,
 ) -> Float[Array, ""] | tuple[Float[Array, ""], Int[Array, ""]]:
   """Mean over valid query rows of KL(teacher || softmax(indexer logits)) on each row's support.
 
@@ -322,11 +376,19 @@ def indexer_loss_reference(
   `teacher_mass` computes the sparse form's teacher (the Pallas backend passes its kernel); the
   teacher is recomputed in the backward pass rather than saved, since [T, K] f32 per layer is
   8.6 GB at 1M tokens.
+
+  Sparse-form variants (same value and gradient, different cost):
+    grad_in_forward: compute the gradient with the loss and save it (`_sparse_loss_grad_in_forward`).
+    rescore: the Megatron-style backward that rescores every key of each row (`_chunk_grads`); the
+      `xla_baseline` backend.
   """
   scales = (float(index_scale), float(attn_scale))
-  if indices is not None:
+  if indices is not None and grad_in_forward:
+    out = _sparse_loss_grad_in_forward(index_q, index_k, index_weights, attn_q, attn_k, attn_lse,
+                                       indices.astype(jnp.int32), scales, int(query_chunk), teacher_mass)
+  elif indices is not None:
     out = _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse,
-                       indices.astype(jnp.int32), scales, int(query_chunk), teacher_mass)
+                       indices.astype(jnp.int32), scales, int(query_chunk), teacher_mass, bool(rescore))
   else:
     positions = (jnp.asarray(q_offset, jnp.int32), segment_ids)
     out = _dense_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions,

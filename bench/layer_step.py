@@ -1,0 +1,484 @@
+"""One attention block at real dimensions, forward + backward under remat, in every step mode (issue 9).
+
+    python bench/layer_step.py run --layers dsa --seq 16384 131072 --out bench/results/layer_step.json
+    python bench/layer_step.py run --layers csa qsa --seq 65536 --append --out bench/results/layer_step.json
+    python bench/layer_step.py plot --out bench/results/layer_step.json   # PNGs under bench/plots/
+    python bench/layer_step.py run --smoke --layers dsa --modes megatron_style hyscale --out /tmp/smoke.json
+
+Layers (the `full` configs, batch 1, bf16 parameters and activations):
+- `dsa`: GLM-5.1 MLA + DSA (d 6144, 64 heads, absorbed 576/512, indexer 32 x 128, k = 2048).
+- `csa`: DeepSeek-V4-Flash CSA (d 4096, 64 heads of 512, window 128, ratio-4 entries, indexer 64 x 128,
+  k = 512).
+- `qsa`: Qwen3.8-Flash-Next QSA (d 2560, 24 heads / 2 KV of 256, indexer 4 x 128, k = 512 blocks of 4).
+
+The block is RMSNorm -> attention (projections, indexer, selection, sparse attention, output
+projection) and its indexer loss; the MLP/MoE is excluded. The loss is `mean(out^2) + indexer_loss`,
+differentiated with respect to the block's parameters and its input, under `jax.checkpoint` with the
+mode's policy (as the decoder runs each layer). Modes (hyscale_jax/training/step_modes.py):
+`megatron_style`, `+flashtopk`, `+replay`, `hyscale`, and with `--ablation` one `+replay+<opt>`
+line per holistic optimization. The sparse attention kernel is the same (`auto`) in every mode.
+
+Each row: the step's median time after a warm-up, its speedup over `megatron_style` at the same
+layer and T, its peak memory, and a breakdown. Peak memory is XLA's compiled memory analysis of the
+step (arguments + outputs + temporaries, i.e. what the step needs on the device; the allocator's
+fragmentation is not included). Breakdown: each part timed alone on the same shapes, times how often
+the mode runs it per step (`counts`): indexer projections (forward + backward, plus one forward for
+the remat recompute), selection (twice under remat `full`), sparse attention forward (twice unless
+`selection_replay` saves out/lse) and backward, indexer loss (forward + backward, plus the recompute
+forward; once with `fused_loss_grad`), and other = step - parts.
+
+Correctness: the warm-up call of every mode is checked against `megatron_style` (loss and gradients,
+relative error) after `poison` fills freed buffers with NaN; rows record the errors and `check_ok`.
+A mode that runs out of memory records "OOM" and the run goes on. Rows are written to `--out` as
+they finish, so a killed run keeps them.
+
+Budget (one H200, 10-minute calls; compile is about 20-60 s per program at real dims): a (layer, T)
+pair compiles 4 mode steps (+2 with `--ablation`) and about 9 component programs. Estimates: dsa at
+16K-64K together about 5-7 min; dsa 128K alone about 6-8 min (megatron_style's step is the slowest
+part, O(T^2) scoring three times); csa and qsa 128K about 4-6 min each; T >= 256K: run `--modes
++replay hyscale --no-breakdown` (megatron_style's O(T^2) work takes minutes per step there).
+"""
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, ".")
+sys.path.insert(0, "bench")
+from configs import deepseek_v4_flash, glm5_1, qwen3_8_flash_next  # noqa: E402
+from hyscale_jax import ops, remat  # noqa: E402
+from hyscale_jax.layers.compressed_attention import CompressedSparseAttention, window_indices  # noqa: E402
+from hyscale_jax.layers.mla import MLASparseAttention  # noqa: E402
+from hyscale_jax.layers.qsa import QSAAttention, block_indexer_loss, expand_blocks  # noqa: E402
+from hyscale_jax.model_config import ModelConfig  # noqa: E402
+from hyscale_jax.ops.flash_topk.api import REGISTRY as TOPK_REGISTRY  # noqa: E402
+from hyscale_jax.ops.sparse_attention.api import REGISTRY as ATTENTION_REGISTRY  # noqa: E402
+from hyscale_jax.training import step_modes  # noqa: E402
+from timing import timed  # noqa: E402
+
+LAYERS = {"dsa": glm5_1, "csa": deepseek_v4_flash, "qsa": qwen3_8_flash_next}
+DEFAULT_SEQ = (16384, 32768, 65536, 131072, 262144, 524288, 1048576)
+PLOTS = "bench/plots"
+
+
+def _log(*args):
+  print(f"[{datetime.datetime.now().strftime('%H:%M:%S')}]", *args, flush=True)
+
+
+def layer_config(kind: str, variant: str, mode: str) -> ModelConfig:
+  """The layer's ModelConfig (bf16) with the mode's model overrides."""
+  model = LAYERS[kind].get_config(variant).model.to_dict()
+  model.update(step_modes.settings(mode)[1], dtype="bfloat16", param_dtype="bfloat16")
+  if variant == "tiny" and model.get("qsa_loss_chunk"):
+    model["qsa_loss_chunk"] = 48  # several chunks at smoke lengths
+  return ModelConfig.from_config(model)
+
+
+def build_attention(kind: str, cfg: ModelConfig):
+  rngs = nnx.Rngs(0)
+  if kind == "dsa":
+    return MLASparseAttention(cfg, has_indexer=True, rngs=rngs)
+  if kind == "csa":
+    return CompressedSparseAttention(cfg, "csa", cfg.csa_ratio, rngs=rngs)
+  return QSAAttention(cfg, rngs=rngs)
+
+
+class Block(nnx.Module):
+  """RMSNorm -> attention; returns (out [B, T, D], indexer loss)."""
+
+  def __init__(self, kind: str, cfg: ModelConfig):
+    self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.rms_eps, rngs=nnx.Rngs(1), dtype=jnp.bfloat16,
+                            param_dtype=jnp.bfloat16)
+    self.attn = build_attention(kind, cfg)
+
+  def __call__(self, x, backends):
+    B, T, _ = x.shape
+    pos, seg = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), jnp.zeros((B, T), jnp.int32)
+    out = self.attn(self.norm(x), pos, seg, backends=backends)
+    return out.out, out.indexer_loss
+
+
+def step_fn(kind: str, mode: str, cfg: ModelConfig, graphdef):
+  """jit(value_and_grad) of `mean(out^2) + indexer_loss` w.r.t. (params, x), under the mode's remat."""
+  backends = type("Backends", (), step_modes.settings(mode)[0])
+
+  def block_loss(state, x):
+    out, aux = nnx.merge(graphdef, state)(x, backends)
+    return jnp.mean(jnp.square(out.astype(jnp.float32))) + aux
+
+  return jax.jit(jax.value_and_grad(remat.remat(block_loss, cfg.remat_policy), argnums=(0, 1)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Components, each timed alone on the real shapes.
+
+
+def op_inputs(kind, block, x):
+  """The inputs each op sees inside the block (forward, no gradient): a dict per layer kind."""
+  B, T, _ = x.shape
+  pos, seg = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), jnp.zeros((B, T), jnp.int32)
+  h = block.norm(x)
+  a = block.attn
+  if kind == "dsa":
+    q, k, v, c_q, _ = a._mqa_inputs(h, pos)
+    return dict(h=h, c_q=c_q, q=q, k=k, v=v, pos=pos, seg=seg, segs=(seg, seg))
+  if kind == "csa":
+    c_q, q, kv = a.queries_and_kv(h, pos)
+    entries, entry_seg = a.compressor(h, pos, seg)
+    return dict(h=h, c_q=c_q, q=q, kv=kv, entries=entries, pos=pos, seg=seg, segs=(seg, entry_seg))
+  q, k, v, _ = a.qkv_gate(h, pos)
+  block_seg = jnp.zeros((B, T // a.cfg.qsa_block), jnp.int32)  # one document: QSAIndexer's block ids
+  return dict(h=h, q=q, k=k, v=v, pos=pos, seg=seg, segs=(seg, block_seg))
+
+
+def indexer_call(kind, indexer, d):
+  if kind == "dsa":
+    return indexer(d["h"], d["c_q"], d["pos"])
+  if kind == "csa":
+    return indexer(d["h"], d["c_q"], d["pos"], d["seg"])
+  iq, bk, _ = indexer(d["h"], d["pos"], d["seg"])
+  return iq, bk, None
+
+
+def select(kind, cfg, scale, d, index, *, backend):
+  ratio = {"dsa": 1, "csa": cfg.csa_ratio, "qsa": cfg.qsa_block}[kind]
+  return ops.flash_topk(*index, topk=cfg.index_topk, compress_ratio=ratio, scale=scale, segment_ids=d["segs"],
+                        backend=backend).indices
+
+
+def attention_args(kind, cfg, a, d, sel):
+  """(q, k, v, indices, kwargs) of the block's `ops.sparse_attention` call."""
+  if kind == "dsa":
+    return d["q"], d["k"], d["v"], sel, dict(scale=cfg.attention_scale)
+  if kind == "csa":
+    T = d["q"].shape[1]
+    keys = jnp.concatenate([d["kv"], d["entries"]], axis=1)[:, :, None]
+    idx = jnp.concatenate([window_indices(d["seg"], cfg.sliding_window), jnp.where(sel >= 0, sel + T, -1)], -1)
+    return d["q"], keys, keys, idx, dict(scale=a.scale, sinks=a.attn_sink[...])
+  return d["q"], d["k"], d["v"], expand_blocks(sel, d["seg"], cfg.qsa_block), dict(scale=a.scale)
+
+
+def indexer_loss(kind, cfg, a, d, index, sel, lse, backend):
+  if kind == "qsa":
+    return block_indexer_loss(index[0], index[1], d["q"], d["k"], lse, sel, d["segs"], block=cfg.qsa_block,
+                              attn_scale=a.scale, index_scale=a.indexer.score_scale, pool=cfg.indexer_pool,
+                              query_chunk=cfg.qsa_loss_chunk)
+  q, k = (d["q"], d["k"]) if kind == "dsa" else (d["q"], d["entries"][:, :, None])
+  scale = cfg.attention_scale if kind == "dsa" else a.scale
+  return ops.indexer_loss(*index, q, k, lse, sel, attn_scale=scale, index_scale=a.indexer.score_scale,
+                          compress_ratio=cfg.csa_ratio if kind == "csa" else 1, segment_ids=d["segs"],
+                          grad_in_forward=cfg.indexer_loss_grad_in_forward, backend=backend)
+
+
+def component_times(kind, block, x, modes, reps):
+  """Seconds of each part alone: {name: s}; selection and indexer loss per backend/variant.
+
+  Every array is passed to the jitted functions as an argument (never closed over as a constant).
+  """
+  cfg, a = block.attn.cfg, block.attn
+  d = jax.jit(lambda x: op_inputs(kind, block, x))(x)
+  idx_graph, idx_state = nnx.split(a.indexer)
+  project = lambda s, d: indexer_call(kind, nnx.merge(idx_graph, s), d)
+  index = jax.jit(project)(idx_state, d)
+
+  def proj_loss(s, d):
+    return sum(jnp.mean(jnp.square(t.astype(jnp.float32))) for t in project(s, d) if t is not None)
+
+  times = {"indexer_proj_fwd": timed(jax.jit(project), idx_state, d, reps=reps),
+           "indexer_proj_fwd_bwd": timed(jax.jit(jax.grad(proj_loss)), idx_state, d, reps=reps)}
+  scale = a.indexer.score_scale
+  sel = None
+  for backend in sorted({step_modes.settings(m)[0]["flash_topk"] for m in modes}):
+    fn = jax.jit(functools.partial(select, kind, cfg, scale, backend=backend))
+    times[f"selection[{backend}]"] = timed(fn, d, index, reps=reps)
+    sel = fn(d, index)
+  q, k, v, idx, kw = attention_args(kind, cfg, a, d, sel)
+  scale_kw = dict(scale=kw["scale"])
+  attend = lambda q, k, v, idx, sinks: ops.sparse_attention(q, k, v, idx, sinks=sinks, **scale_kw)
+  args = (q, k, v, idx, kw.get("sinks"))
+  times["attention_fwd"] = timed(jax.jit(attend), *args, reps=reps)
+  lse = jax.jit(attend)(*args)[1]
+  attn_loss = lambda q, k, v, idx, sinks: jnp.mean(jnp.square(attend(q, k, v, idx, sinks)[0].astype(jnp.float32)))
+  times["attention_fwd_bwd"] = timed(jax.jit(jax.grad(attn_loss, argnums=(0, 1, 2))), *args, reps=reps)
+  times["attention_bwd"] = max(times["attention_fwd_bwd"] - times["attention_fwd"], 0.0)
+  del q, k, v, idx, args
+  for variant in sorted({loss_variant(m) for m in modes}):
+    backend, fused, chunk = variant
+    vcfg = dataclasses.replace(cfg, indexer_loss_grad_in_forward=fused, qsa_loss_chunk=chunk)
+    loss = lambda iq, ik, iw, d, sel, lse: indexer_loss(kind, vcfg, a, d, (iq, ik, iw), sel, lse, backend)
+    times[f"loss_fwd{variant}"] = timed(jax.jit(loss), *index, d, sel, lse, reps=reps)
+    times[f"loss_fwd_bwd{variant}"] = timed(jax.jit(jax.grad(loss, argnums=(0, 1))), *index, d, sel, lse, reps=reps)
+  return times
+
+
+def loss_variant(mode):
+  ops_, model = step_modes.settings(mode)
+  return (ops_["indexer_loss"], model["indexer_loss_grad_in_forward"], model["qsa_loss_chunk"])
+
+
+def breakdown(kind, mode, times, step_s):
+  """{part: seconds per step} and {part: executions per step} of `mode` from the parts' times."""
+  ops_, model = step_modes.settings(mode)
+  replay = model["remat_policy"] == "selection_replay"
+  variant = loss_variant(mode)
+  fused = variant[1] and replay and kind != "qsa"
+  counts = {"indexer_projections": 1, "selection": 1 if replay else 2, "attention_fwd": 1 if replay else 2,
+            "attention_bwd": 1, "indexer_loss": 1 if fused else 2}
+  parts = {
+      "indexer_projections": times["indexer_proj_fwd_bwd"] + times["indexer_proj_fwd"],
+      "selection": counts["selection"] * times[f"selection[{ops_['flash_topk']}]"],
+      "attention_fwd": counts["attention_fwd"] * times["attention_fwd"],
+      "attention_bwd": times["attention_bwd"],
+      # forward + backward, plus the remat recompute's forward (fused: one forward-with-gradient).
+      "indexer_loss": times[f"loss_fwd_bwd{variant}"] + (0.0 if fused else times[f"loss_fwd{variant}"]),
+  }
+  parts["other"] = step_s - sum(parts.values())
+  return parts, counts
+
+
+# ------------------------------------------------------------------------------------------------
+# The run.
+
+
+def poison(tree):
+  """Fills, then frees, NaN buffers the size of `tree`'s arrays, for the allocator to hand out next."""
+  for a in jax.tree.leaves(tree):
+    jnp.full(a.shape, jnp.nan, a.dtype).block_until_ready().delete()
+
+
+def rel_err(a, b):
+  num = sum(float(jnp.sum(jnp.square(x.astype(jnp.float32) - y.astype(jnp.float32))))
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  den = sum(float(jnp.sum(jnp.square(y.astype(jnp.float32)))) for y in jax.tree.leaves(b))
+  return float(np.sqrt(num / max(den, 1e-30)))
+
+
+def is_oom(err: Exception) -> bool:
+  text = str(err)
+  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
+def peak_gb(compiled) -> float:
+  m = compiled.memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes) / 1e9
+
+
+class Results:
+  """Rows written to `path` after each one (JSON: device, date, rows)."""
+
+  def __init__(self, path, append):
+    self.path = path
+    self.data = dict(device=jax.devices()[0].device_kind, date=datetime.date.today().isoformat(), rows=[])
+    if append and path and os.path.exists(path):
+      with open(path) as f:
+        self.data["rows"] = json.load(f)["rows"]
+
+  def add(self, row):
+    self.data["rows"].append(row)
+    if self.path:
+      os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+      with open(self.path, "w") as f:
+        json.dump(self.data, f, indent=1)
+
+
+def run_layer(kind, T, modes, args, results, tolerance):
+  variant = "tiny" if args.smoke else "full"
+  x = jax.random.normal(jax.random.key(T), (1, T, layer_config(kind, variant, modes[0]).d_model), jnp.bfloat16)
+  reference, base_s, rows = None, None, []
+  times = None
+  for mode in modes:
+    cfg = layer_config(kind, variant, mode)
+    row = dict(layer=kind, T=T, mode=mode, config=variant, remat_policy=cfg.remat_policy,
+               ops=step_modes.settings(mode)[0],
+               resolved=dict(flash_topk=_resolve(TOPK_REGISTRY, step_modes.settings(mode)[0]["flash_topk"]),
+                             sparse_attention=_resolve(ATTENTION_REGISTRY, "auto")))
+    _log(f"{kind} T={T} {mode}: compile")
+    try:
+      block = Block(kind, cfg)
+      graphdef, state = nnx.split(block)
+      fn = step_fn(kind, mode, cfg, graphdef)
+      compiled = fn.lower(state, x).compile()
+      row["peak_gb"] = peak_gb(compiled)
+      if reference is not None:
+        poison(reference)
+      out = jax.block_until_ready(compiled(state, x))  # the warm-up, checked below
+      if reference is None:
+        reference = out
+      else:
+        row["loss_rel_err"] = rel_err(out[0], reference[0])
+        row["grad_rel_err"] = rel_err(out[1], reference[1])
+        row["check_ok"] = bool(np.isfinite(row["grad_rel_err"]) and row["grad_rel_err"] < tolerance
+                               and row["loss_rel_err"] < tolerance)
+      if out is not reference:
+        del out
+      row["step_s"] = timed(compiled, state, x, reps=args.reps, warmup=False)
+      if mode == modes[0]:
+        base_s = row["step_s"]
+      row["speedup"] = base_s / row["step_s"] if base_s else None
+    except Exception as err:  # noqa: BLE001  (XlaRuntimeError and friends: record OOM, re-raise the rest)
+      if not is_oom(err):
+        raise
+      row["step_s"] = "OOM"
+      _log(f"{kind} T={T} {mode}: OOM ({str(err).splitlines()[0][:160]})")
+    if isinstance(row["step_s"], float) and not args.no_breakdown:
+      if times is None:
+        try:
+          _log(f"{kind} T={T}: timing the parts alone")
+          times = component_times(kind, Block(kind, cfg), x, modes, args.reps)
+        except Exception as err:  # noqa: BLE001
+          if not is_oom(err):
+            raise
+          times = {}
+          _log(f"{kind} T={T}: parts OOM")
+      if times:
+        row["parts_s"], row["counts"] = breakdown(kind, mode, times, row["step_s"])
+    row["parts_alone_s"] = times
+    _log(_describe(row))
+    results.add(row)
+    rows.append(row)
+    jax.clear_caches()
+  return rows
+
+
+def _resolve(registry, backend):
+  return registry.candidates(backend)[0]
+
+
+def _describe(row):
+  if row["step_s"] == "OOM":
+    return f"{row['layer']} T={row['T']} {row['mode']}: OOM"
+  speedup = f"x{row['speedup']:.2f}" if row["speedup"] else "x?"
+  text = (f"{row['layer']} T={row['T']:>7} {row['mode']:<26} step {row['step_s'] * 1e3:10.1f} ms"
+          f"  {speedup}  peak {row['peak_gb']:.1f} GB")
+  if "grad_rel_err" in row:
+    text += f"  check {'ok' if row['check_ok'] else 'MISMATCH'} (loss {row['loss_rel_err']:.1e}, grads {row['grad_rel_err']:.1e})"
+  if "parts_s" in row:
+    text += "  | " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row["parts_s"].items())
+  return text
+
+
+def run(args):
+  modes = list(args.modes) + (list(step_modes.ABLATIONS) if args.ablation else [])
+  if modes[0] != "megatron_style":
+    _log(f"note: speedups are relative to the first mode, {modes[0]!r}")
+  for mode in modes:
+    step_modes.settings(mode)  # a bad name fails before any compile
+  seqs = [128] if args.smoke else args.seq
+  _log(f"device {jax.devices()[0].device_kind}; layers {args.layers}; T {seqs}; modes {modes}")
+  _log(f"sparse attention in every mode: the same kernel, backend 'auto' -> {_resolve(ATTENTION_REGISTRY, 'auto')!r}"
+       " (only selection, recomputation and the indexer loss's backward differ)")
+  results = Results(args.out, args.append)
+  tolerance = 0.05  # bf16 steps; different near-tie selections move a few rows
+  for kind in args.layers:
+    for T in seqs:
+      run_layer(kind, T, modes, args, results, tolerance)
+  print_table(results.data["rows"])
+
+
+def print_table(rows):
+  print("\n| layer | T | mode | step ms | speedup | peak GB | check | breakdown ms |")
+  print("|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    if r["step_s"] == "OOM":
+      print(f"| {r['layer']} | {r['T']} | {r['mode']} | OOM | | | | |")
+      continue
+    check = "" if "check_ok" not in r else ("ok" if r["check_ok"] else f"MISMATCH {r['grad_rel_err']:.1e}")
+    parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r.get("parts_s", {}).items())
+    speedup = f"{r['speedup']:.2f}" if r["speedup"] else "-"
+    print(f"| {r['layer']} | {r['T']} | {r['mode']} | {r['step_s'] * 1e3:.1f} | {speedup} | "
+          f"{r['peak_gb']:.1f} | {check} | {parts} |")
+
+
+# ------------------------------------------------------------------------------------------------
+# Plots.
+
+
+def plot(args):
+  """bench/plots/layer_step_speedup.png and layer_step_breakdown_<T>.png from the results JSON."""
+  import matplotlib  # noqa: PLC0415  (optional: the `bench` extra)
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  with open(args.out) as f:
+    data = json.load(f)
+  rows = [r for r in data["rows"] if isinstance(r["step_s"], float)]
+  os.makedirs(args.plots, exist_ok=True)
+  written = []
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+  for ax, kind in zip(axes, LAYERS):
+    for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"] != "megatron_style"):
+      pts = sorted((r["T"], r["speedup"]) for r in rows if r["layer"] == kind and r["mode"] == mode and r["speedup"])
+      if pts:
+        ax.plot(*zip(*pts), marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_title(f"{kind}: speedup over megatron_style")
+    ax.set_xlabel("T (tokens)")
+    ax.legend(fontsize=8)
+  axes[0].set_ylabel("x megatron_style (step time)")
+  fig.suptitle(f"{data['device']}, {data['date']}: one attention block, fwd + bwd under remat, bf16, B=1")
+  fig.tight_layout()
+  path = os.path.join(args.plots, "layer_step_speedup.png")
+  fig.savefig(path, dpi=110)
+  written.append(path)
+  T = args.breakdown_seq
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+  for ax, kind in zip(axes, LAYERS):
+    at = [r for r in rows if r["layer"] == kind and r["T"] == T and "parts_s" in r]
+    bottom = np.zeros(len(at))
+    for part in ("indexer_projections", "selection", "attention_fwd", "attention_bwd", "indexer_loss", "other"):
+      values = np.array([max(r["parts_s"][part], 0.0) * 1e3 for r in at])
+      ax.bar([r["mode"] for r in at], values, bottom=bottom, label=part)
+      bottom += values
+    ax.set_title(f"{kind} at T={T}")
+    ax.set_ylabel("ms per step")
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+  axes[0].legend(fontsize=8)
+  fig.tight_layout()
+  path = os.path.join(args.plots, f"layer_step_breakdown_{T}.png")
+  fig.savefig(path, dpi=110)
+  written.append(path)
+  _log("wrote", *written)
+  return written
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("command", nargs="?", default="run", choices=("run", "plot"))
+  parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+  parser.add_argument("--seq", nargs="+", type=int, default=list(DEFAULT_SEQ))
+  parser.add_argument("--modes", nargs="+", default=list(step_modes.STEP_MODES),
+                      help=f"of {step_modes.STEP_MODES + step_modes.ABLATIONS}; the first is the speedup base")
+  parser.add_argument("--ablation", action="store_true", help="add one +replay+<opt> mode per holistic optimization")
+  parser.add_argument("--no-breakdown", action="store_true", help="skip timing the parts alone")
+  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--out", default="bench/results/layer_step.json")
+  parser.add_argument("--append", action="store_true", help="keep the rows already in --out")
+  parser.add_argument("--plots", default=PLOTS)
+  parser.add_argument("--breakdown-seq", type=int, default=131072, help="T of the stacked breakdown plot")
+  parser.add_argument("--smoke", action="store_true", help="tiny configs at T=128 on any device, in seconds")
+  args = parser.parse_args(argv)
+  if any(t < 1 for t in args.seq) or args.reps < 1:
+    parser.error(f"--seq {args.seq} and --reps {args.reps} must be positive")
+  if args.command == "plot":
+    if args.smoke:
+      args.breakdown_seq = 128
+    return plot(args)
+  if args.smoke:
+    args.reps = 1
+  return run(args)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,122 @@
+"""Whole-model training speed through `train.py`, per step mode (issue 9): steps per second.
+
+    python bench/model_step.py --models tiny mid --modes megatron_style hyscale --out bench/results/model_step.json
+    python bench/model_step.py --smoke --out /tmp/model_step.json    # the tiny model for 4 steps on CPU
+
+Each (model, mode) is one `train.py` process with `--config.step_mode=<mode>` on the pydoc corpus
+(built locally, no download), no dense warm-up, `2 * --log-every` steps. Steps per second come from
+train.py's own `tokens_per_sec` of the last logging window (the first window holds the compile),
+divided by the tokens per step. Models (GLM-5.1, `configs/glm5_1.py`):
+- `tiny`: the tiny variant (4 layers, d 128), batch 8 x 256 tokens, f32.
+- `mid`: 4 layers at the real width (d 6144, MLA 64 heads, DSA indexer 32 x 128, k = 2048) with
+  dense FFNs (256 experts per layer would not fit one GPU with AdamW), vocab 32768, bf16
+  activations, batch 1 x `--mid-seq` tokens.
+
+Budget: each process compiles one train step (tiny: seconds; mid: about 1-2 min) and builds the
+pydoc tokenizer once per vocab size (cached under `--data-dir`). `--models mid --mid-seq 16384`
+in both modes: about 5-7 min on one H200.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+_MODELS = {
+    "tiny": ["--config=configs/glm5_1.py:tiny"],
+    "mid": ["--config=configs/glm5_1.py:full", "--config.model.n_layers=4", "--config.model.first_k_dense=4",
+            "--config.model.vocab_size=32768", "--config.data.vocab_size=32768",
+            "--config.model.dtype=bfloat16", "--config.data.batch_size=1"],
+}
+
+
+def _log(*args):
+  print(f"[{datetime.datetime.now().strftime('%H:%M:%S')}]", *args, flush=True)
+
+
+def run_one(model, mode, args, workdir):
+  """Runs train.py once; returns the row (steps_per_s from the last logged window, or the error)."""
+  log_every = args.log_every
+  cmd = [sys.executable, "train.py", *_MODELS[model], f"--workdir={workdir}", f"--config.step_mode={mode}",
+         "--config.data.source=pydoc", f"--config.data.cache_dir={args.data_dir}",
+         "--config.train.warmup_steps=0", f"--config.train.steps={2 * log_every}",
+         f"--config.train.log_every={log_every}", f"--config.train.checkpoint_every={10 * log_every}",
+         "--config.train.progress_bar=false"]
+  if model == "mid":
+    cmd.append(f"--config.data.seq_len={args.mid_seq}")
+  if args.smoke:
+    cmd.append("--config.data.batch_size=2")
+  _log(f"{model} {mode}: {' '.join(cmd[1:])}")
+  t0 = time.perf_counter()
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH="."))
+  row = dict(model=model, mode=mode, wall_s=time.perf_counter() - t0)
+  if proc.returncode:
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    row["error"] = " | ".join(tail)
+    _log(f"{model} {mode}: FAILED: {row['error'][:400]}")
+    return row
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    metrics = [json.loads(line) for line in f if line.strip()]
+  last = metrics[-1]
+  tokens_per_step = _tokens_per_step(model, args)
+  row.update(steps_per_s=last["tokens_per_sec"] / tokens_per_step, tokens_per_s=last["tokens_per_sec"],
+             tokens_per_step=tokens_per_step, lm_loss=last["lm_loss"], indexer_loss=last["indexer_loss"])
+  _log(f"{model} {mode}: {row['steps_per_s']:.3f} steps/s ({row['tokens_per_s']:.0f} tokens/s), "
+       f"lm_loss {row['lm_loss']:.4f}, indexer_loss {row['indexer_loss']:.4f}")
+  return row
+
+
+def _tokens_per_step(model, args):
+  if model == "mid":
+    return args.mid_seq
+  return (2 if args.smoke else 8) * 256
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--models", nargs="+", default=list(_MODELS), choices=list(_MODELS))
+  parser.add_argument("--modes", nargs="+", default=["megatron_style", "hyscale"])
+  parser.add_argument("--mid-seq", type=int, default=16384)
+  parser.add_argument("--log-every", type=int, default=10)
+  parser.add_argument("--data-dir", default=os.environ.get("HYSCALE_DATA_DIR", ".data"))
+  parser.add_argument("--out", default="bench/results/model_step.json")
+  parser.add_argument("--smoke", action="store_true", help="the tiny model for 4 steps, in seconds on CPU")
+  args = parser.parse_args(argv)
+  if args.smoke:
+    args.models, args.log_every = ["tiny"], 2
+  if args.mid_seq < 1 or args.log_every < 1:
+    parser.error(f"--mid-seq {args.mid_seq} and --log-every {args.log_every} must be positive")
+  sys.path.insert(0, ".")
+  from hyscale_jax.training import step_modes  # noqa: PLC0415
+
+  for mode in args.modes:
+    step_modes.settings(mode)  # a bad name fails before any run
+  rows = []
+  for model in args.models:
+    for mode in args.modes:
+      with tempfile.TemporaryDirectory() as workdir:
+        rows.append(run_one(model, mode, args, workdir))
+      base = next((r for r in rows if r["model"] == model and r["mode"] == args.modes[0] and "steps_per_s" in r),
+                  None)
+      if base and "steps_per_s" in rows[-1]:
+        rows[-1]["speedup"] = rows[-1]["steps_per_s"] / base["steps_per_s"]
+      if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+          json.dump(dict(date=datetime.date.today().isoformat(), rows=rows), f, indent=1)
+  print("\n| model | mode | steps/s | tokens/s | speedup |\n|---|---|---|---|---|")
+  for r in rows:
+    if "error" in r:
+      print(f"| {r['model']} | {r['mode']} | failed | | |")
+    else:
+      print(f"| {r['model']} | {r['mode']} | {r['steps_per_s']:.3f} | {r['tokens_per_s']:.0f} | "
+            f"{r.get('speedup', float('nan')):.2f} |")
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,75 @@
+"""Every bench script's `--smoke` runs on CPU and writes sane rows, so the benchmarks never rot.
+
+The scripts run as subprocesses, all started together (module fixture) and each checked by its own
+test; on 2 CPU cores the whole file takes about a minute.
+"""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# name -> (arguments after the script, check of the written JSON)
+_SCRIPTS = {
+    "context_plan": (["bench/context_plan.py", "--smoke"],
+                     lambda data: all(r["step_moved_bytes"] > 0 for r in data)),
+    "ops_baseline": (["bench/ops_baseline.py", "--smoke"],
+                     lambda data: data["agree"] and all(_positive(r["seconds"]) for r in data["rows"])),
+    "flash_topk": (["bench/flash_topk.py", "--smoke"],
+                   lambda data: all(_positive(r["ms"]) for r in data) and data[0]["rescued"] == 0),
+    "sparse_attention": (["bench/sparse_attention.py", "table", "--smoke"],
+                         lambda data: all(_positive(r.get("pallas_fwd_ms", 1.0)) for r in data["rows"])),
+    "layer_step": (["bench/layer_step.py", "--smoke", "--layers", "dsa", "--modes", "megatron_style", "hyscale"],
+                   lambda data: len(data["rows"]) == 2 and all(_positive(r["step_s"]) for r in data["rows"])
+                   and data["rows"][1]["check_ok"] and "parts_s" in data["rows"][1]),
+    "model_step": (["bench/model_step.py", "--smoke", "--modes", "hyscale"],
+                   lambda data: all(_positive(r.get("steps_per_s", -1.0)) for r in data["rows"])),
+}
+
+
+def _positive(x):
+  return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """Starts every script at once; name -> (Popen, output JSON path)."""
+  tmp = tmp_path_factory.mktemp("bench_smoke")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+             HYSCALE_DATA_DIR=os.environ.get("HYSCALE_DATA_DIR", str(ROOT / ".data")))
+  env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
+  started = {}
+  for name, (args, _) in _SCRIPTS.items():
+    out = tmp / f"{name}.json"
+    started[name] = (subprocess.Popen([sys.executable, *args, "--out", str(out)], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
+  yield started
+  for proc, _ in started.values():
+    if proc.poll() is None:
+      proc.kill()
+
+
+@pytest.mark.parametrize("name", list(_SCRIPTS))
+def test_smoke_run_writes_sane_rows(runs, name):
+  proc, out = runs[name]
+  log, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0, log[-3000:]
+  data = json.loads(out.read_text())
+  assert _SCRIPTS[name][1](data), json.dumps(data)[:3000]
+
+
+def test_layer_step_plots_from_its_json(runs, tmp_path):
+  pytest.importorskip("matplotlib")
+  proc, out = runs["layer_step"]
+  proc.communicate(timeout=600)
+  sys.path.insert(0, str(ROOT / "bench"))
+  import layer_step  # noqa: PLC0415
+
+  written = layer_step.main(["plot", "--smoke", "--out", str(out), "--plots", str(tmp_path)])
+  assert all(pathlib.Path(p).stat().st_size > 1000 for p in written)
