@@ -71,7 +71,8 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
       "parameters": param_count * p_bytes / param_shards,
       "gradients": param_count * p_bytes / param_shards,
       "optimizer": 2 * param_count * p_bytes / param_shards,
-      "layer inputs": cfg.n_layers * rows * cfg.d_model * a_bytes,
+      # With hyper-connections each layer's saved input is its hc_mult residual streams.
+      "layer inputs": cfg.n_layers * rows * cfg.d_model * max(cfg.hc_mult, 1) * a_bytes,
       "saved selection and attention": (cfg.n_layers * rows * (selected * 4 + cfg.n_heads * (out_width * a_bytes + 4))
                                         if saves_attention else 0),
       "logits": 2 * rows * cfg.vocab_size * 4,
