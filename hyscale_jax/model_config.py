@@ -125,7 +125,8 @@ class ModelConfig:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {_DTYPES}.")
     self._check_hyper_connections()
     if self.shared_expert_gate and self.n_shared_experts < 1:
-      raise ValueError(f"model.shared_expert_gate=True needs shared experts, got n_shared_experts={self.n_shared_experts}.")
+      raise ValueError("model.shared_expert_gate=True needs shared experts, got "
+                       f"n_shared_experts={self.n_shared_experts}.")
     if self.swiglu_limit < 0:
       raise ValueError(f"model.swiglu_limit={self.swiglu_limit} must be >= 0 (0 disables the clamp).")
     if self.architecture == "deepseek_v4":
