@@ -16,6 +16,8 @@ _FULL = dict(
     csa_ratio=4, index_n_heads=64, index_head_dim=128, index_topk=512, index_rope_dim=64,
     n_routed_experts=256, experts_per_token=6, n_shared_experts=1, moe_inter=2048,
     scoring="sqrtsoftplus", routed_scaling=1.5, norm_topk_prob=True,
+    # mHC residual streams (architectures.md §3.5: hc_mult 4, 20 Sinkhorn iterations); tiny keeps them.
+    hc_mult=4, hc_sinkhorn_iters=20,
 )
 # architectures.md's tiny V4 test config at T=256: 64 CSA entries (top 32) and 16 HCA entries.
 _TINY = dict(

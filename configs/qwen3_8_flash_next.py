@@ -19,13 +19,16 @@ _FULL = dict(
     index_n_heads=4, index_head_dim=128, index_rope_dim=64, index_topk=512, qsa_block=4,
     n_routed_experts=512, experts_per_token=10, n_shared_experts=1, moe_inter=640,
     scoring="softmax", routed_scaling=1.0, norm_topk_prob=True,
+    # architectures.md §4.1: gated-residual streams (4, low rank 320) in place of the pre-norms, and a
+    # sigmoid-gated shared expert. The router keeps our load-balancing bias (transformers has none).
+    hc_mult=4, hc_lowrank=320, shared_expert_gate=True,
 )
 _FULL["layer_types"] = _FULL["layer_types"] * 12
 # architectures.md's tiny QSA config: a 64-token budget (16 blocks), 67 attended indices per token.
 _TINY = dict(
     vocab_size=2048, d_model=256, n_layers=4, layer_types=("qsa",) * 4, n_heads=4, n_kv_heads=2,
     head_dim=64, qk_rope_dim=16, index_n_heads=2, index_head_dim=32, index_rope_dim=16, index_topk=16,
-    n_routed_experts=8, experts_per_token=2, moe_inter=96,
+    n_routed_experts=8, experts_per_token=2, moe_inter=96, hc_lowrank=32,
 )
 
 

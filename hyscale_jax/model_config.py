@@ -51,14 +51,18 @@ class ModelConfig:
   topk_group: int = 1
   # SwiGLU clamp (DeepSeek-V4): gate <= limit, |up| <= limit before silu(gate) * up; 0 disables it.
   swiglu_limit: float = 0.0
-  # Residual streams (DeepSeek-V4 mHC, Qwen4-Exp gated residual); 0 is a plain residual. Not
-  # implemented yet: a checkpoint that needs them is refused at import with this field named.
+  # Residual streams (layers/hyper_connections.py): `hc_mult` parallel residual streams, 0 for a
+  # plain residual. The architecture picks the kind: DeepSeek-V4's mHC (Sinkhorn mixing,
+  # `hc_sinkhorn_iters`, `hc_eps`) or Qwen4-Exp's gated residual (gate rank `hc_lowrank`; it
+  # replaces the pre-norms and the final norm). GLM has none.
   hc_mult: int = 0
   hc_sinkhorn_iters: int = 20
   hc_eps: float = 1e-6
   hc_lowrank: int = 0
-  # Qwen4-Exp: a sigmoid gate (`shared_expert_gate`) on the shared expert's output (not implemented yet).
+  # Qwen4-Exp: a sigmoid gate (`shared_expert_gate`) on the shared expert's output.
   shared_expert_gate: bool = False
+  # The MoE router's noaux_tc selection bias (updated from the expert load); Qwen4-Exp has none.
+  router_bias: bool = True
   # DSA lightning indexer.
   index_n_heads: int = 32
   index_head_dim: int = 128
@@ -95,6 +99,8 @@ class ModelConfig:
   indexer_loss_grad_in_forward: bool = False
   # QSA's block indexer loss runs over this many query rows at a time (0: all rows at once).
   qsa_loss_chunk: int = 0
+  # QSA indexer q/k norms zero-centred (weight applied as 1 + w), as transformers' qwen4_exp has them.
+  indexer_norm_zero_centered: bool = False
   # Numerics and memory.
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -123,18 +129,30 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {_DTYPES}.")
-    if self.hc_mult or self.shared_expert_gate:
-      raise NotImplementedError(
-          f"model.hc_mult={self.hc_mult} (residual streams: DeepSeek-V4 mHC, Qwen4-Exp gated residual) and "
-          f"model.shared_expert_gate={self.shared_expert_gate} are not implemented; use 0 and False.")
     if not isinstance(self.qsa_loss_chunk, int) or self.qsa_loss_chunk < 0:
       raise ValueError(f"model.qsa_loss_chunk={self.qsa_loss_chunk!r} must be an int >= 0 (0: unchunked).")
+    self._check_hyper_connections()
+    if self.shared_expert_gate and self.n_shared_experts < 1:
+      raise ValueError("model.shared_expert_gate=True needs shared experts, got "
+                       f"n_shared_experts={self.n_shared_experts}.")
     if self.swiglu_limit < 0:
       raise ValueError(f"model.swiglu_limit={self.swiglu_limit} must be >= 0 (0 disables the clamp).")
     if self.architecture == "deepseek_v4":
       self._check_deepseek_v4()
     if self.architecture == "qwen4_exp":
       self._check_qwen4_exp()
+
+  def _check_hyper_connections(self):
+    if not isinstance(self.hc_mult, int) or self.hc_mult < 0:
+      raise ValueError(f"model.hc_mult={self.hc_mult!r} must be an int >= 0 (0: a plain residual).")
+    if not self.hc_mult:
+      return
+    if self.architecture == "glm_moe_dsa":
+      raise ValueError(f"model.hc_mult={self.hc_mult}: glm_moe_dsa has no hyper-connections; use 0.")
+    if self.architecture == "deepseek_v4" and self.hc_sinkhorn_iters < 1:
+      raise ValueError(f"model.hc_sinkhorn_iters={self.hc_sinkhorn_iters} must be >= 1 for DeepSeek-V4's mHC.")
+    if self.architecture == "qwen4_exp" and self.hc_lowrank < 1:
+      raise ValueError(f"model.hc_lowrank={self.hc_lowrank} must be >= 1 for Qwen4-Exp's gated residual.")
 
   def _check_qwen4_exp(self):
     if len(self.layer_types) != self.n_layers:

@@ -18,6 +18,7 @@ from safetensors.numpy import load_file
 from configs import glm5_1
 from hyscale_jax import convert, models, ops
 from hyscale_jax.convert.safetensors_dir import CheckpointReader
+from hyscale_jax.layers.qsa import expand_blocks
 from hyscale_jax.model_config import ModelConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -42,35 +43,75 @@ def _relative_error(ours, reference):
   return float(np.abs(ours - reference).max() / np.abs(reference).max())
 
 
-def test_glm_moe_dsa_matches_transformers(monkeypatch):
-  model = convert.import_checkpoint(str(FIXTURES / "glm_moe_dsa"), remat_policy="none")
-  outputs = load_file(str(FIXTURES / "glm_moe_dsa" / "outputs.safetensors"))
+# Per fixture: the layers whose selection transformers exposes, and the selection as one set per
+# (batch, query), for transformers' output and for ours (`flash_topk` indices).
+def _glm_layers(cfg):
+  return [i for i in range(cfg.n_layers) if cfg.has_indexer(i)]
+
+
+def _v4_layers(cfg):
+  return [i for i in range(cfg.n_layers) if cfg.layer_kind(i) == "csa"]
+
+
+def _qwen_layers(cfg):
+  return [i for i, kind in enumerate(cfg.layer_types) if kind == "qsa"]
+
+
+def _index_sets(indices, keep):
+  """{(b, t): set of the indices i of indices[b, t] with keep(i, t)} for i32[B, T, K]."""
+  return {(b, t): {int(i) for i in indices[b, t] if keep(i, t)} for b, t in np.ndindex(indices.shape[:2])}
+
+
+def _glm_sets(ours, theirs, cfg):
+  # transformers pads early queries with future positions; ours pads with -1.
+  return _index_sets(ours, lambda i, t: i >= 0), _index_sets(theirs, lambda i, t: i <= t)
+
+
+def _v4_sets(ours, theirs, cfg):
+  # Both are indices into the compressed entries, -1 = invalid.
+  return _index_sets(ours, lambda i, t: i >= 0), _index_sets(theirs, lambda i, t: i >= 0)
+
+
+def _qwen_sets(ours, theirs, cfg):
+  # transformers gives a boolean token mask [B, 1, T, T]; ours selects blocks, which expand to their
+  # tokens plus the query's partial-block tail.
+  tokens = np.asarray(expand_blocks(jnp.asarray(ours), jnp.zeros(ours.shape[:2], jnp.int32), cfg.qsa_block))
+  theirs_sets = {(b, t): {int(s) for s in np.flatnonzero(theirs[b, 0, t])} for b, t in np.ndindex(ours.shape[:2])}
+  return _index_sets(tokens, lambda i, t: i >= 0), theirs_sets
+
+
+_PARITY = {"glm_moe_dsa": (_glm_layers, _glm_sets), "deepseek_v4": (_v4_layers, _v4_sets),
+           "qwen4_exp": (_qwen_layers, _qwen_sets)}
+
+
+@pytest.mark.parametrize("model_type", sorted(_PARITY))
+def test_matches_transformers(model_type, monkeypatch):
+  selecting_layers, selection_sets = _PARITY[model_type]
+  model = convert.import_checkpoint(str(FIXTURES / model_type), remat_policy="none")
+  outputs = load_file(str(FIXTURES / model_type / "outputs.safetensors"))
   logits, selections = _run_with_selections(model, outputs["input_ids"], monkeypatch)
   assert _relative_error(logits, outputs["logits"]) < 1e-4
   layers = sorted(int(k.split(".")[1]) for k in outputs if k.startswith("selection."))
-  assert layers == [i for i in range(model.cfg.n_layers) if model.cfg.has_indexer(i)]
-  assert len(selections) == len(layers)
-  T = outputs["input_ids"].shape[1]
+  assert layers == selecting_layers(model.cfg) and len(selections) == len(layers)
   for layer, ours in zip(layers, selections):
-    theirs = outputs[f"selection.{layer}"]  # early queries are padded with future positions
-    for b, t in np.ndindex(theirs.shape[:2]):
-      expected = {int(s) for s in theirs[b, t] if s <= t}
-      assert {int(s) for s in ours[b, t] if s >= 0} == expected, (layer, b, t)
-    assert ours.shape[1] == T
+    assert ours.shape[:2] == outputs["input_ids"].shape
+    ours_sets, theirs_sets = selection_sets(ours, outputs[f"selection.{layer}"], model.cfg)
+    for key, expected in theirs_sets.items():
+      assert ours_sets[key] == expected, (layer, key)
 
 
-@pytest.mark.parametrize("model_type, field", [("deepseek_v4", "hc_mult"), ("qwen4_exp", "hc_mult")])
-def test_unimplemented_features_are_refused_by_name(model_type, field):
-  with pytest.raises(NotImplementedError, match=field):
-    convert.import_checkpoint(str(FIXTURES / model_type))
+def test_hyper_connections_are_refused_for_glm():
+  with pytest.raises(ValueError, match="glm_moe_dsa has no hyper-connections"):
+    ModelConfig(hc_mult=2)
 
 
 def _flat_arrays(model):
   return {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model, convert.CHECKPOINT_VARIABLES))}
 
 
-def test_export_then_import_is_bit_for_bit(tmp_path):
-  source = FIXTURES / "glm_moe_dsa"
+@pytest.mark.parametrize("model_type", sorted(_PARITY))
+def test_export_then_import_is_bit_for_bit(model_type, tmp_path):
+  source = FIXTURES / model_type
   model = convert.import_checkpoint(str(source))
   convert.export_checkpoint(model, str(tmp_path), max_shard_bytes=100_000)
   assert len(list(tmp_path.glob("model-*.safetensors"))) > 1

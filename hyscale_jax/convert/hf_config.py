@@ -142,10 +142,11 @@ def deepseek_v4_from_hf(hf: dict) -> dict:
 def deepseek_v4_to_hf(cfg: ModelConfig) -> dict:
   kinds = {"swa": "sliding_attention", "csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention"}
   hca = sorted({r for i, r in enumerate(cfg.compress_ratios) if cfg.layer_kind(i) == "hca"})
-  if len(hca) > 1 or cfg.index_rope_dim != cfg.qk_rope_dim or cfg.indexer_hadamard:
+  if len(hca) > 1 or cfg.index_rope_dim != cfg.qk_rope_dim or cfg.indexer_hadamard or cfg.hc_mult < 1:
     raise UnsupportedConfigError(
         f"deepseek_v4 export: transformers has one HCA ratio (got {hca}), index_rope_dim == qk_rope_dim "
-        f"({cfg.index_rope_dim=}, {cfg.qk_rope_dim=}) and no Hadamard ({cfg.indexer_hadamard=}).")
+        f"({cfg.index_rope_dim=}, {cfg.qk_rope_dim=}), no Hadamard ({cfg.indexer_hadamard=}) and mHC "
+        f"streams ({cfg.hc_mult=} must be >= 1).")
   prf = cfg.qk_rope_dim / cfg.head_dim
   return dict(
       architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=cfg.vocab_size,
@@ -197,14 +198,20 @@ def qwen4_exp_from_hf(hf: dict) -> dict:
       index_topk=hf["indexer_budget"] // hf["indexer_compress_ratio"],
       n_routed_experts=hf["num_experts"], experts_per_token=hf["num_experts_per_tok"],
       n_shared_experts=shared // inter, moe_inter=inter, scoring="softmax", routed_scaling=1.0,
-      norm_topk_prob=hf["norm_topk_prob"], shared_expert_gate=True,
-      hc_mult=hf["hc_count"], hc_lowrank=hf["hc_lowrank"])
+      # transformers' Qwen4-Exp: a sigmoid-gated shared expert, a router without a selection bias,
+      # zero-centred indexer norms, and gated-residual streams in place of the pre-norms.
+      norm_topk_prob=hf["norm_topk_prob"], shared_expert_gate=True, router_bias=False,
+      indexer_norm_zero_centered=True, hc_mult=hf["hc_count"], hc_lowrank=hf["hc_lowrank"])
 
 
 def qwen4_exp_to_hf(cfg: ModelConfig) -> dict:
-  if cfg.index_rope_dim != cfg.qk_rope_dim:
-    raise UnsupportedConfigError(f"qwen4_exp export: transformers needs index_rope_dim == qk_rope_dim, "
-                                 f"got {cfg.index_rope_dim=}, {cfg.qk_rope_dim=}.")
+  if cfg.index_rope_dim != cfg.qk_rope_dim or cfg.hc_mult < 1 or not cfg.shared_expert_gate or cfg.router_bias \
+      or not cfg.indexer_norm_zero_centered:
+    raise UnsupportedConfigError(
+        "qwen4_exp export: transformers' model has index_rope_dim == qk_rope_dim, gated-residual streams "
+        "(hc_mult >= 1), a gated shared expert, no router bias and zero-centred indexer norms; this config has "
+        f"{cfg.index_rope_dim=}, {cfg.qk_rope_dim=}, {cfg.hc_mult=}, {cfg.shared_expert_gate=}, "
+        f"{cfg.router_bias=}, {cfg.indexer_norm_zero_centered=}.")
   names = {"qsa": "indexed_attention", "gated_deltanet": "linear_attention"}
   return dict(
       architectures=["Qwen4ExpForCausalLM"], model_type="qwen4_exp_text", vocab_size=cfg.vocab_size,

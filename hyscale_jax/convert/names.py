@@ -3,9 +3,11 @@
 Module attributes follow the HF checkpoint keys (STYLE.md 6.2), so most names are a rename of the
 dotted path: `kernel` is `weight` transposed ([in, out] here, [out, in] in torch), `scale` and
 `embedding` are `weight`. The rest is a short rename table per architecture (DeepSeek-V4 is read in the
-layout `save_pretrained` writes by default, DeepSeek's own: `attn.wq_a`, `ffn.experts.0.w1`...) and
-two layouts that are not a rename: stacked experts (one [E, D, F] array here, E tensors there) and
-DeepSeek-V4's grouped output projection `wo_a` ([G, in, o] here, [G * o, in] there).
+layout `save_pretrained` writes by default, DeepSeek's own: `attn.wq_a`, `ffn.experts.0.w1`, the mHC's
+`hc_attn_fn`...; our residual-stream connections `attn_hc`, `mlp_hc`, `hc_head` take each
+architecture's names) and two layouts that are not a rename: stacked experts (one [E, D, F] array
+here, E tensors there) and DeepSeek-V4's grouped output projection `wo_a` ([G, in, o] here, [G * o,
+in] there).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ _RENAMES: dict[str, list[tuple[str, str]]] = {
         (r"^mlp\.e_score_correction_bias$", "mlp.gate.e_score_correction_bias"),
     ],
     "deepseek_v4": [
+        (r"^attn_hc\.(fn|base|scale)$", r"hc_attn_\1"),
+        (r"^mlp_hc\.(fn|base|scale)$", r"hc_ffn_\1"),
         (r"^input_layernorm\.", "attn_norm."),
         (r"^post_attention_layernorm\.", "ffn_norm."),
         (r"^self_attn\.kv_norm\.", "attn.norm."),
@@ -38,6 +42,9 @@ _RENAMES: dict[str, list[tuple[str, str]]] = {
         (r"^mlp\.", "ffn."),
     ],
     "qwen4_exp": [
+        (r"^attn_hc\.", "attn_hyper_connection."),
+        (r"^mlp_hc\.", "mlp_hyper_connection."),
+        (r"^hc_head\.", "hyper_connection_mixer."),
         (r"^self_attn\.indexer\.q_norm\.", "self_attn.indexer.q_layernorm."),
         (r"^self_attn\.indexer\.k_norm\.", "self_attn.indexer.k_layernorm."),
         (r"^mlp\.shared_experts\.", "mlp.shared_expert."),

@@ -12,6 +12,7 @@ from hyscale_jax import sharding as shd
 from hyscale_jax.layers.compressor import Compressor, rope_tail
 from hyscale_jax.layers.indexer import LightningIndexer
 from hyscale_jax.layers.mla import AttentionOutput
+from hyscale_jax.layers.norms import rms_normalize
 from hyscale_jax.model_config import ModelConfig
 
 
@@ -34,11 +35,6 @@ def visible_entry_indices(segment_ids, entry_segments, ratio: int) -> Int[Array,
   causal = (w[None, :] + 1) * ratio <= jnp.arange(T)[:, None] + 1  # [T, S]
   visible = causal[None] & (entry_segments[:, None, :] == segment_ids[:, :, None])
   return jnp.where(visible, w[None, None, :], -1).astype(jnp.int32)
-
-
-def _rms_unweighted(x, eps):
-  xf = x.astype(jnp.float32)
-  return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 class CompressedSparseAttention(nnx.Module):
@@ -101,7 +97,7 @@ class CompressedSparseAttention(nnx.Module):
     B, T, _ = x.shape
     rope = lambda y: rope_tail(y, positions, rope_dim=cfg.qk_rope_dim, theta=self.theta)
     c_q = self.q_norm(self.wq_a(x))
-    q = _rms_unweighted(self.wq_b(c_q).reshape(B, T, cfg.n_heads, cfg.head_dim), cfg.rms_eps)
+    q = rms_normalize(self.wq_b(c_q).reshape(B, T, cfg.n_heads, cfg.head_dim), cfg.rms_eps)
     return c_q, rope(q), rope(self.kv_norm(self.wkv(x)))
 
   def __call__(

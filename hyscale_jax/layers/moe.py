@@ -66,6 +66,8 @@ class MoE(nnx.Module):
       n_group: int = 1,
       topk_group: int = 1,
       swiglu_limit: float = 0.0,
+      shared_expert_gate: bool = False,
+      selection_bias: bool = True,
       rngs: nnx.Rngs,
       dtype: jnp.dtype = jnp.float32,
       param_dtype: jnp.dtype = jnp.float32,
@@ -85,6 +87,10 @@ class MoE(nnx.Module):
       n_group: expert groups for group-limited routing; must divide E (1 disables it).
       topk_group: groups kept per token, in [1, n_group].
       swiglu_limit: the SwiGLU clamp of routed and shared experts (`mlp.swiglu`); 0 disables it.
+      shared_expert_gate: scale the shared experts' output per token by `sigmoid(x W)` (Qwen4-Exp's
+        `shared_expert_gate`, W [D, 1]); needs n_shared_experts > 0.
+      selection_bias: keep the noaux_tc `e_score_correction_bias`; False for routers without one
+        (Qwen4-Exp), which then choose by the scores alone and have no bias to update.
       rngs: supplies the `params` stream.
       dtype: compute dtype of the expert matmuls (they accumulate in f32).
       param_dtype: storage dtype of the expert weights; the router is always f32.
@@ -107,6 +113,8 @@ class MoE(nnx.Module):
       )
     if n_shared_experts < 0:
       raise ValueError(f"{n_shared_experts=} must be >= 0.")
+    if shared_expert_gate and not n_shared_experts:
+      raise ValueError(f"{shared_expert_gate=} needs shared experts, got {n_shared_experts=}.")
     self.experts_per_token = experts_per_token
     self.scoring, self.routed_scaling, self.norm_topk_prob = scoring, routed_scaling, norm_topk_prob
     self.n_group, self.topk_group = n_group, topk_group
@@ -117,7 +125,7 @@ class MoE(nnx.Module):
         D, E, use_bias=False, rngs=rngs, dtype=jnp.float32, param_dtype=jnp.float32,
         kernel_metadata=shd.param(shd.EMBED, None),
     )
-    self.e_score_correction_bias = RouterBias(jnp.zeros((E,), jnp.float32))
+    self.e_score_correction_bias = RouterBias(jnp.zeros((E,), jnp.float32)) if selection_bias else None
     in_axes, out_axes = shd.param(shd.EXP, shd.EMBED, shd.MLP), shd.param(shd.EXP, shd.MLP, shd.EMBED)
     self.experts_gate_proj = nnx.Param(_init_experts(rngs.params(), (E, D, F), param_dtype), **in_axes)
     self.experts_up_proj = nnx.Param(_init_experts(rngs.params(), (E, D, F), param_dtype), **in_axes)
@@ -127,6 +135,10 @@ class MoE(nnx.Module):
         if n_shared_experts > 0
         else None
     )
+    self.shared_expert_gate = nnx.Linear(
+        D, 1, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+        kernel_metadata=shd.param(shd.EMBED, None),
+    ) if shared_expert_gate else None
 
   @property
   def n_routed_experts(self) -> int:
@@ -143,7 +155,9 @@ class MoE(nnx.Module):
       (expert_ids int32[N, K], weights f32[N, K]); the weights use the unbiased scores.
     """
     scores = _scores(self.gate(x.astype(jnp.float32)), self.scoring)  # [N, E]
-    choice = scores + self.e_score_correction_bias[...]  # [N, E], used only for selection
+    choice = scores  # [N, E], used only for selection
+    if self.e_score_correction_bias is not None:
+      choice = scores + self.e_score_correction_bias[...]
     if self.n_group > 1:
       N, E = choice.shape
       grouped = choice.reshape(N, self.n_group, E // self.n_group)  # [N, G, E/G]
@@ -185,7 +199,10 @@ class MoE(nnx.Module):
     y = jnp.einsum("NKD,NK->ND", out, weights)  # f32[N, D]
 
     if self.shared_experts is not None:
-      y = y + self.shared_experts(flat).astype(jnp.float32)
+      shared = self.shared_experts(flat)
+      if self.shared_expert_gate is not None:
+        shared = jax.nn.sigmoid(self.shared_expert_gate(flat)) * shared
+      y = y + shared.astype(jnp.float32)
     expert_load = group_sizes.astype(jnp.float32) / (B * T * K)  # [E]
     return y.reshape(B, T, D).astype(x.dtype), expert_load
 
@@ -219,11 +236,15 @@ def update_router_bias(moe: MoE, expert_load: Float[Array, "E"], rate: float) ->
   optimiser touches it, and it never enters the combine weights: it changes which experts are
   chosen, not how their outputs are weighted. Updates the variable in place.
 
+  A router without the bias (`selection_bias=False`) is left as it is.
+
   Args:
     moe: the layer whose `e_score_correction_bias` is moved.
     expert_load: f32[E], as returned by `MoE.__call__`.
     rate: the bias update speed (DeepSeek-V3 uses 0.001).
   """
-  load = jnp.asarray(expert_load, jnp.float32)
   bias = moe.e_score_correction_bias
+  if bias is None:
+    return
+  load = jnp.asarray(expert_load, jnp.float32)
   bias[...] = bias[...] + rate * jnp.sign(load.mean() - load)

@@ -12,23 +12,11 @@ from jaxtyping import Array, Float, Int
 from hyscale_jax import ops
 from hyscale_jax import sharding as shd
 from hyscale_jax.layers.mla import AttentionOutput
+from hyscale_jax.layers.norms import ZeroCenteredRMSNorm
 from hyscale_jax.layers.rope import apply_rope
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.ops import _streaming as st
 from hyscale_jax.ops.flash_topk import index_scores, index_scores_at
-
-
-class ZeroCenteredRMSNorm(nnx.Module):
-  """RMSNorm whose weight is applied as (1 + w), w initialised to 0 (Qwen3-Next / Gemma style)."""
-
-  def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32):
-    self.eps = eps
-    self.weight = nnx.Param(jnp.zeros((dim,), param_dtype), **shd.param(shd.NORM))
-
-  def __call__(self, x):
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
 def partial_rope(x, positions, *, rope_dim: int, theta: float):
@@ -152,6 +140,8 @@ class QSAIndexer(nnx.Module):
   Block key b: `RoPE_{first position}(RMSNorm_k(mean of the block's raw keys))`, the mean in f32
   over the block's tokens of its last token's document. Queries: `RoPE_t(RMSNorm_q(q))`. RoPE is
   half-split on the first `index_rope_dim` dims with the attention's θ. Inputs are detached.
+  `RMSNorm_q` / `RMSNorm_k` are zero-centred (weight applied as 1 + w, as transformers' qwen4_exp
+  has them) when `cfg.indexer_norm_zero_centered`, else plain RMSNorms.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -160,8 +150,11 @@ class QSAIndexer(nnx.Module):
     HI, DI = cfg.index_n_heads, cfg.index_head_dim
     self.index_qk_proj = nnx.Linear(cfg.d_model, (HI + 1) * DI, use_bias=False, rngs=rngs, dtype=dtype,
                                     param_dtype=pdtype, kernel_metadata=shd.param(shd.EMBED, shd.INDEX))
-    norm = lambda: nnx.RMSNorm(DI, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype,
-                               scale_metadata=shd.param(shd.NORM))
+    if cfg.indexer_norm_zero_centered:  # transformers' qwen4_exp: weight applied as 1 + w
+      norm = lambda: ZeroCenteredRMSNorm(DI, eps=cfg.rms_eps, param_dtype=pdtype)
+    else:
+      norm = lambda: nnx.RMSNorm(DI, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype,
+                                 scale_metadata=shd.param(shd.NORM))
     self.q_norm, self.k_norm = norm(), norm()
 
   @property

@@ -11,6 +11,7 @@ from jaxtyping import Array, Int
 
 from hyscale_jax import remat
 from hyscale_jax import sharding as shd
+from hyscale_jax.layers.hyper_connections import expand_streams
 from hyscale_jax.layers.mlp import MLP
 from hyscale_jax.layers.moe import MoE
 from hyscale_jax.model_config import ModelConfig
@@ -23,41 +24,66 @@ class ModelOutput(NamedTuple):
   aux: dict
 
 
+def _enter(connection, x):
+  """(block input, mix) of the residual `x`: x itself for a plain residual (`connection` None)."""
+  return (x, None) if connection is None else connection.enter(x)
+
+
+def _leave(connection, x, block_output, mix):
+  """The residual after a block: x + output, or the connection's stream update."""
+  return x + block_output if connection is None else connection.leave(x, block_output, mix)
+
+
 class DecoderLayer(nnx.Module):
   """Pre-norm block: RMSNorm -> sparse attention -> residual -> RMSNorm -> MLP or MoE -> residual.
 
   `attention` is the model's attention module for this layer (MLA/DSA for GLM-5, compressed
-  sparse attention for DeepSeek-V4); it returns an `AttentionOutput`.
+  sparse attention for DeepSeek-V4); it returns an `AttentionOutput`. With hyper-connections
+  (`attn_hc`, `mlp_hc`: layers/hyper_connections.py) the residual is [B, T, N, D] streams that
+  each connection collapses into the block input and updates with its output; a connection that
+  `replaces_pre_norm` leaves the block without its RMSNorm.
   """
 
-  def __init__(self, cfg: ModelConfig, layer: int, attention: nnx.Module, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, layer: int, attention: nnx.Module, *, rngs: nnx.Rngs,
+               attn_hc: nnx.Module | None = None, mlp_hc: nnx.Module | None = None):
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-    norm = lambda: nnx.RMSNorm(cfg.d_model, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype,
-                               scale_metadata=shd.param(shd.NORM))
-    self.input_layernorm = norm()
+    norm = lambda hc: None if hc is not None and hc.replaces_pre_norm else nnx.RMSNorm(
+        cfg.d_model, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype,
+        scale_metadata=shd.param(shd.NORM))
+    self.attn_hc, self.mlp_hc = attn_hc, mlp_hc
+    self.input_layernorm = norm(attn_hc)
     self.self_attn = attention
-    self.post_attention_layernorm = norm()
+    self.post_attention_layernorm = norm(mlp_hc)
     if cfg.is_moe(layer):
       self.mlp = MoE(cfg.d_model, cfg.moe_inter, cfg.n_routed_experts, cfg.experts_per_token,
                      cfg.n_shared_experts, scoring=cfg.scoring, routed_scaling=cfg.routed_scaling,
                      norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                     swiglu_limit=cfg.swiglu_limit, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+                     swiglu_limit=cfg.swiglu_limit, shared_expert_gate=cfg.shared_expert_gate,
+                     selection_bias=cfg.router_bias, rngs=rngs, dtype=dtype, param_dtype=pdtype)
     else:
       self.mlp = MLP(cfg.d_model, cfg.dense_inter, swiglu_limit=cfg.swiglu_limit, rngs=rngs, dtype=dtype,
                      param_dtype=pdtype)
 
   def __call__(self, x, positions, segment_ids, *, dense=False, shared_indices=None, backends=None):
-    """x [B, T, D] -> (x [B, T, D], indices or None, indexer_loss or None, expert_load f32[E] or None)."""
-    attn = self.self_attn(self.input_layernorm(x), positions, segment_ids, dense=dense,
+    """x [B, T, D] (or streams [B, T, N, D]) -> (x like the input, indices or None, indexer_loss or None,
+    expert_load f32[E] or None)."""
+    prenorm = lambda norm, h: h if norm is None else norm(h)
+    h, mix = _enter(self.attn_hc, x)
+    attn = self.self_attn(prenorm(self.input_layernorm, h), positions, segment_ids, dense=dense,
                           shared_indices=shared_indices, backends=backends)
-    x = x + attn.out
-    ffn = self.mlp(self.post_attention_layernorm(x))
+    x = _leave(self.attn_hc, x, attn.out, mix)
+    h, mix = _enter(self.mlp_hc, x)
+    ffn = self.mlp(prenorm(self.post_attention_layernorm, h))
     ffn, load = ffn if isinstance(ffn, tuple) else (ffn, None)
-    return x + ffn, attn.indices, attn.indexer_loss, load
+    return _leave(self.mlp_hc, x, ffn, mix), attn.indices, attn.indexer_loss, load
 
 
 class Decoder(nnx.Module):
   """A decoder-only LM over `DecoderLayer`s; subclasses choose each layer's attention.
+
+  With `cfg.hc_mult` > 0 the residual is that many streams: the subclass supplies the per-block
+  connections (`make_hyper_connection`) and the final collapse `hc_head` (`make_stream_head`),
+  which runs before the final `norm` (absent when the head replaces it).
 
   Module paths (`embed_tokens`, `layers`, `norm`, `lm_head`) follow the HF checkpoint keys. Each
   layer runs under `jax.checkpoint` with the config's remat policy, so `"selection_replay"` saves
@@ -67,15 +93,26 @@ class Decoder(nnx.Module):
   def make_attention(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
     raise NotImplementedError
 
+  def make_hyper_connection(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """One sub-block's residual-stream connection (`enter`/`leave`); used when cfg.hc_mult > 0."""
+    raise ValueError(f"model.hc_mult={cfg.hc_mult}: {cfg.architecture} has no hyper-connections.")
+
+  def make_stream_head(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """The final collapse of the residual streams into [B, T, D]; used when cfg.hc_mult > 0."""
+    raise ValueError(f"model.hc_mult={cfg.hc_mult}: {cfg.architecture} has no hyper-connections.")
+
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     pdtype = jnp.dtype(cfg.param_dtype)
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs, param_dtype=pdtype,
                                   dtype=jnp.dtype(cfg.dtype), embedding_metadata=shd.param(shd.VOCAB, shd.EMBED))
-    self.layers = nnx.List([DecoderLayer(cfg, i, self.make_attention(cfg, i, rngs), rngs=rngs)
+    connection = lambda: self.make_hyper_connection(cfg, rngs) if cfg.hc_mult else None
+    self.layers = nnx.List([DecoderLayer(cfg, i, self.make_attention(cfg, i, rngs), rngs=rngs,
+                                         attn_hc=connection(), mlp_hc=connection())
                             for i in range(cfg.n_layers)])
-    self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.rms_eps, rngs=rngs, param_dtype=pdtype,
-                            scale_metadata=shd.param(shd.NORM))
+    self.hc_head = self.make_stream_head(cfg, rngs) if cfg.hc_mult else None
+    self.norm = None if self.hc_head is not None and self.hc_head.replaces_final_norm else nnx.RMSNorm(
+        cfg.d_model, epsilon=cfg.rms_eps, rngs=rngs, param_dtype=pdtype, scale_metadata=shd.param(shd.NORM))
     self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
         cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs, param_dtype=pdtype,
         kernel_metadata=shd.param(shd.EMBED, shd.VOCAB))
@@ -107,6 +144,10 @@ class Decoder(nnx.Module):
     if segment_ids is None:
       segment_ids = jnp.zeros((B, T), jnp.int32)
     x = self.embed_tokens(tokens)
+    # With hyper-connections the residual is hc_mult streams [B, T, N, D] between layers.
+    activation_axes = (shd.BATCH, shd.LENGTH, shd.ACT_EMBED)
+    if self.hc_head is not None:
+      x, activation_axes = expand_streams(x, self.cfg.hc_mult), (shd.BATCH, shd.LENGTH, None, shd.ACT_EMBED)
     policy = self.cfg.remat_policy
     indices, indexer_losses, loads = None, [], []
     def run_layer(graphdef, state, x, positions, segment_ids, shared_indices):
@@ -118,7 +159,7 @@ class Decoder(nnx.Module):
     for layer in self.layers:
       # Between layers the activations are split over batch and sequence, whole in D: FSDP gathers
       # the weights rather than splitting the activations' width.
-      x = shd.shard(x, (shd.BATCH, shd.LENGTH, shd.ACT_EMBED))
+      x = shd.shard(x, activation_axes)
       graphdef, state = nnx.split(layer)
       x, layer_indices, indexer_loss, load = run_layer(graphdef, state, x, positions, segment_ids, indices)
       if layer.self_attn.indexer is not None:
@@ -127,7 +168,10 @@ class Decoder(nnx.Module):
         indexer_losses.append(indexer_loss)
       if load is not None:
         loads.append(load)
-    x = self.norm(x)
+    if self.hc_head is not None:
+      x = self.hc_head(x)
+    if self.norm is not None:
+      x = self.norm(x)
     if self.lm_head is None:
       logits = self.embed_tokens.attend(x.astype(jnp.float32))
     else:

@@ -1,10 +1,11 @@
-"""DeepSeek-V4 (`deepseek_v4`): shared-KV MQA with sinks over SWA / CSA / HCA layers, and MoE."""
+"""DeepSeek-V4 (`deepseek_v4`): shared-KV MQA with sinks over SWA / CSA / HCA layers, mHC, and MoE."""
 
 from __future__ import annotations
 
 from flax import nnx
 
 from hyscale_jax.layers.compressed_attention import CompressedSparseAttention
+from hyscale_jax.layers.hyper_connections import ManifoldHyperConnection, ManifoldHyperHead
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.models.decoder import Decoder
 
@@ -12,10 +13,18 @@ from hyscale_jax.models.decoder import Decoder
 class DeepseekV4(Decoder):
   """The DeepSeek-V4 language model; layer i's kind comes from `compress_ratios[i]`.
 
-  Not implemented (README feature table): mHC hyper-connections (plain residuals here), hash
-  routing of the first MoE layers (all layers route by score), MTP, YaRN scaling of the
-  compressed layers' RoPE, and the SwiGLU clamp.
+  With `hc_mult` > 0 the residual is mHC streams (`ManifoldHyperConnection` around each block,
+  `ManifoldHyperHead` before the final norm). Not implemented (README feature table): hash routing
+  of the first MoE layers (all layers route by score), MTP, and YaRN scaling of the compressed
+  layers' RoPE.
   """
 
   def make_attention(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
     return CompressedSparseAttention(cfg, cfg.layer_kind(layer), cfg.compress_ratios[layer], rngs=rngs)
+
+  def make_hyper_connection(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    return ManifoldHyperConnection(cfg.d_model, cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters,
+                                   eps=cfg.hc_eps, norm_eps=cfg.rms_eps, rngs=rngs)
+
+  def make_stream_head(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    return ManifoldHyperHead(cfg.d_model, cfg.hc_mult, eps=cfg.hc_eps, norm_eps=cfg.rms_eps, rngs=rngs)

@@ -1,9 +1,11 @@
-"""Qwen3.8-Flash-Next (`qwen4_exp`): gated GQA with QSA on the attention layers, and MoE."""
+"""Qwen3.8-Flash-Next (`qwen4_exp`): gated GQA with QSA on the attention layers, gated residual streams, and MoE."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 
+from hyscale_jax.layers.hyper_connections import GatedResidual
 from hyscale_jax.layers.qsa import QSAAttention
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.models.decoder import Decoder
@@ -12,10 +14,12 @@ from hyscale_jax.models.decoder import Decoder
 class Qwen4Exp(Decoder):
   """The Qwen3.8-Flash-Next language model; layer i's mixer comes from `layer_types[i]`.
 
-  Only "qsa" layers are implemented: Gated DeltaNet ("gated_deltanet", 3 of every 4 layers in the
-  published model) raises NotImplementedError, so the `tiny` config stacks QSA layers only. Not
-  implemented either (README feature table): hyper-connections, the Engram n-gram embedding, the
-  shared expert's sigmoid gate, MTP, and MRoPE (it reduces to 1-D RoPE for text).
+  With `hc_mult` > 0 the residual is `GatedResidual` streams, which replace the pre-norms and the
+  final norm (the final collapse is `hc_head`, transformers' `hyper_connection_mixer`); the shared
+  expert is sigmoid-gated with `shared_expert_gate`. Only "qsa" layers are implemented: Gated
+  DeltaNet ("gated_deltanet", 3 of every 4 layers in the published model) raises
+  NotImplementedError, so the `tiny` config stacks QSA layers only. Not implemented either (README
+  feature table): the Engram n-gram embedding, MTP, and MRoPE (it reduces to 1-D RoPE for text).
   """
 
   def make_attention(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
@@ -24,3 +28,13 @@ class Qwen4Exp(Decoder):
           f"layer {layer} is {cfg.layer_types[layer]!r}: Gated DeltaNet is not implemented; "
           "use layer_types of 'qsa' only (as configs/qwen3_8_flash_next.py:tiny does).")
     return QSAAttention(cfg, rngs=rngs)
+
+  def _gated_residual(self, cfg: ModelConfig, rngs: nnx.Rngs, *, inject: bool) -> GatedResidual:
+    return GatedResidual(cfg.d_model, cfg.hc_mult, cfg.hc_lowrank, eps=cfg.rms_eps, inject=inject, rngs=rngs,
+                         dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype))
+
+  def make_hyper_connection(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    return self._gated_residual(cfg, rngs, inject=True)
+
+  def make_stream_head(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    return self._gated_residual(cfg, rngs, inject=False)
