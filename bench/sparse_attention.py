@@ -5,6 +5,9 @@
     python bench/sparse_attention.py table --shapes mla64 mla128 v4 qsa --seq 16384 65536 --out r.json
     python bench/sparse_attention.py table --smoke              # tiny shapes on the CPU, in seconds
 
+`table` compiles every row's programs up front on `--workers` threads, then checks and times row by
+row, rewriting `--out` after each.
+
 Shapes (issue 5): `mla64`/`mla128` absorbed MLA in MQA form (G=1, Dk=576, Dv=512, k=2048, v = the
 key's 512-wide latent prefix); `v4` DeepSeek-V4 MQA with K = V (512), sinks, and indices into one
 concatenated KV of T tokens plus T/4 compressed entries (top-512 compressed + a 128-token window,
@@ -18,9 +21,14 @@ kernel forgot to write most likely reads back as NaN rather than as a stale corr
 """
 
 import argparse
+import concurrent.futures
 import dataclasses
+import faulthandler
+import functools
 import json
+import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -105,37 +113,44 @@ def rel_err(a, b):
 
 
 def variants(shape: Shape, scale, fwd_config=None, bwd_config=None):
-  """name -> jitted fn(q, k, v, idx, sinks, dout) for the forward, backward and fwd+bwd of each backend."""
+  """name -> fn(q, k, v, idx, sinks, dout[, out, lse]) for the forward, backward and fwd+bwd of each backend.
+
+  Shapes whose values are the key's prefix (`value_is_key`) call with `v=None`, so the Pallas
+  kernels read one row for both and return the value gradient inside dk; the reference's separate
+  dv is folded into dk the same way, so both backends return (dq, dk, None, dsinks).
+  """
+  fused = shape.value_is_key
+  value_dim = shape.Dv if fused else None
 
   def fwd_p(q, k, v, idx, sinks, dout):
-    return sparse_attention_forward_pallas(q, k, v, idx, scale=scale, sinks=sinks, config=fwd_config)
+    return sparse_attention_forward_pallas(q, k, None if fused else v, idx, scale=scale, sinks=sinks,
+                                           value_dim=value_dim, config=fwd_config)
 
   def fwd_r(q, k, v, idx, sinks, dout):
     return sparse_attention_forward_reference(q, k, v, idx, scale=scale, sinks=sinks)
 
-  def bwd(backward, forward):
-    def run(q, k, v, idx, sinks, dout):
-      out, lse = forward(q, k, v, idx, sinks, dout)
-      return backward((q, k, v, idx, sinks, out, lse), (dout, jnp.zeros_like(lse)), scale=scale)
-    return run
+  def bwd_p(q, k, v, idx, sinks, dout, out, lse):
+    return sparse_attention_backward_pallas((q, k, None if fused else v, idx, sinks, out, lse),
+                                            (dout, jnp.zeros_like(lse)), scale=scale, config=bwd_config)
 
-  def bwd_only(backward, **kw):
-    def run(q, k, v, idx, sinks, dout, out, lse):
-      return backward((q, k, v, idx, sinks, out, lse), (dout, jnp.zeros_like(lse)), scale=scale, **kw)
-    return run
+  def bwd_r(q, k, v, idx, sinks, dout, out, lse):
+    dq, dk, dv, dsinks = sparse_attention_backward_reference((q, k, v, idx, sinks, out, lse),
+                                                             (dout, jnp.zeros_like(lse)), scale=scale)
+    if fused:
+      dk, dv = dk.at[..., : shape.Dv].add(dv), None
+    return dq, dk, dv, dsinks
 
   def fwd_bwd(backend):
     def run(q, k, v, idx, sinks, dout):
       def loss(q, k, v, sinks):
-        out, _ = ops.sparse_attention(q, k, v, idx, scale=scale, sinks=sinks, backend=backend)
+        out, _ = ops.sparse_attention(q, k, None if fused else v, idx, scale=scale, sinks=sinks,
+                                      value_dim=value_dim, backend=backend)
         return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
       return jax.grad(loss, argnums=(0, 1, 2) + ((3,) if sinks is not None else ()))(q, k, v, sinks)
     return run
 
   return dict(
-      pallas_fwd=fwd_p, reference_fwd=fwd_r,
-      pallas_bwd=bwd_only(sparse_attention_backward_pallas, config=bwd_config),
-      reference_bwd=bwd_only(sparse_attention_backward_reference),
+      pallas_fwd=fwd_p, reference_fwd=fwd_r, pallas_bwd=bwd_p, reference_bwd=bwd_r,
       pallas_fwd_bwd=fwd_bwd("pallas"), reference_fwd_bwd=fwd_bwd("reference"),
   )
 
@@ -154,51 +169,107 @@ def checked_outputs(fns, args):
   return (out_r, lse_r), g_p, errors
 
 
-def run_shape(name, shape: Shape, T, reps, fwd_config=None, bwd_config=None, skip_reference=False):
-  x = make_inputs(shape, T)
+def stamp(*msg):
+  print(f"[{time.strftime('%H:%M:%S')}]", *msg, flush=True)
+
+
+def row_programs(name, shape: Shape, T, skip_reference, fwd_config=None, bwd_config=None):
+  """(key -> jitted fn, key -> abstract args) of every program one table row runs."""
+  x = jax.eval_shape(lambda: make_inputs(shape, T))
   scale = shape.Dk**-0.5
-  fns = {n: jax.jit(f) for n, f in variants(shape, scale, fwd_config, bwd_config).items()}
   args = (x["q"], x["k"], x["v"], x["idx"], x["sinks"], x["dout"])
+  out = jax.ShapeDtypeStruct(x["q"].shape[:3] + (shape.Dv,), x["q"].dtype)
+  lse = jax.ShapeDtypeStruct(x["q"].shape[:3], jnp.float32)
+  backends = ("pallas",) + (() if skip_reference else ("reference",))
+  fns, abstract = {}, {}
+  for key, fn in variants(shape, scale, fwd_config, bwd_config).items():
+    if key.split("_")[0] in backends:
+      fns[key] = jax.jit(fn)
+      abstract[key] = args + ((out, lse) if key.endswith("_bwd") and "fwd" not in key else ())
+  rows = slice(max(T - 1024, 0), T)  # the last rows: the full k selected keys each
+  teacher_args = (jax.ShapeDtypeStruct((1, rows.stop - rows.start) + x["q"].shape[2:], x["q"].dtype), x["k"],
+                  jax.ShapeDtypeStruct((1, rows.stop - rows.start, shape.H), jnp.float32),
+                  jax.ShapeDtypeStruct((1, rows.stop - rows.start, shape.K), jnp.int32))
+  loss_args = (x["iq"], x["ik"], x["iw"], x["q"], x["k"], lse, x["idx"])
+  for backend in backends:
+    teacher = attention_teacher_pallas if backend == "pallas" else teacher_mass_reference
+    fns[f"{backend}_teacher"] = jax.jit(functools.partial(teacher, scale=scale))
+    abstract[f"{backend}_teacher"] = teacher_args
+
+    def loss(iq, ik, iw, q, k, lse, idx, backend=backend):
+      return ops.indexer_loss(iq, ik, iw, q, k, lse, idx, attn_scale=scale, index_scale=shape.index_dim**-0.5,
+                              backend=backend)
+
+    fns[f"{backend}_loss"] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    abstract[f"{backend}_loss"] = loss_args
+  return fns, abstract
+
+
+def compile_all(programs, workers):
+  """Compiles every (row, key) program on `workers` threads (XLA and Triton compile off the GIL)."""
+  jobs = [(row, key, fn, programs[row][1][key]) for row in programs for key, fn in programs[row][0].items()]
+  stamp(f"compiling {len(jobs)} programs on {workers} threads")
+  done = {}
+
+  def compile_one(job):
+    row, key, fn, args = job
+    t0 = time.perf_counter()
+    try:
+      compiled = fn.lower(*args).compile()
+    except Exception as e:  # noqa: BLE001 - reported in the row, the table goes on
+      compiled = e
+    return row, key, compiled, time.perf_counter() - t0
+
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    for row, key, compiled, seconds in pool.map(compile_one, jobs):
+      done[row, key] = compiled
+      failed = f" FAILED: {str(compiled).splitlines()[0][:200]}" if isinstance(compiled, Exception) else ""
+      stamp(f"compiled {row} {key} in {seconds:.0f} s{failed}")
+  return done
+
+
+def run_row(row_key, shape: Shape, T, compiled, reps, skip_reference):
+  """Checks, then times, one (shape, T) row from its compiled programs."""
+  name = row_key[0]
+  get = lambda key: _unwrap(compiled[row_key, key])
+  x = make_inputs(shape, T)
+  args = (x["q"], x["k"], x["v"], x["idx"], x["sinks"], x["dout"])
+  fns = {key: get(key) for key in ("pallas_fwd", "pallas_bwd", "reference_fwd", "reference_bwd")
+         if (row_key, key) in compiled}
+  if skip_reference:  # check against the jitted reference (compiled on first call)
+    fns.update({k: jax.jit(f) for k, f in variants(shape, shape.Dk**-0.5).items() if k.startswith("reference")})
   (out_r, lse_r), _, errors = checked_outputs(fns, args)
+  stamp(f"{name} T={T}: checked against the reference: {errors}")
   fwd_flops, bwd_flops = flops(shape, T)
   row = dict(shape=name, T=T, H=shape.H, G=shape.G, Dk=shape.Dk, Dv=shape.Dv, K=shape.K, errors=errors)
   for backend in ("pallas",) + (() if skip_reference else ("reference",)):
     r = 1 if backend == "reference" and T > 16384 else reps
-    row[f"{backend}_fwd_ms"] = timed(fns[f"{backend}_fwd"], *args, reps=r) * 1e3
-    row[f"{backend}_bwd_ms"] = timed(fns[f"{backend}_bwd"], *args, out_r, lse_r, reps=r) * 1e3
-    row[f"{backend}_fwd_bwd_ms"] = timed(fns[f"{backend}_fwd_bwd"], *args, reps=r) * 1e3
+    row[f"{backend}_fwd_ms"] = timed(get(f"{backend}_fwd"), *args, reps=r) * 1e3
+    row[f"{backend}_bwd_ms"] = timed(get(f"{backend}_bwd"), *args, out_r, lse_r, reps=r) * 1e3
+    row[f"{backend}_fwd_bwd_ms"] = timed(get(f"{backend}_fwd_bwd"), *args, reps=r) * 1e3
     row[f"{backend}_fwd_tflops"] = fwd_flops / row[f"{backend}_fwd_ms"] / 1e9
     row[f"{backend}_bwd_tflops"] = bwd_flops / row[f"{backend}_bwd_ms"] / 1e9
     row[f"{backend}_fwd_bwd_tflops"] = (fwd_flops + bwd_flops) / row[f"{backend}_fwd_bwd_ms"] / 1e9
-    row[f"{backend}_fwd_bwd_temp_gb"] = temp_gb(variants(shape, scale, fwd_config, bwd_config)[f"{backend}_fwd_bwd"], *args)
-  row.update(loss_pieces(shape, x, scale, out_r, lse_r, reps, skip_reference))
+    row[f"{backend}_fwd_bwd_temp_gb"] = compiled[row_key, f"{backend}_fwd_bwd"].memory_analysis().temp_size_in_bytes / 1e9
+    stamp(f"{name} T={T}: {backend} attention timed")
+    rows = slice(max(T - 1024, 0), T)
+    teacher_in = (x["q"][:, rows], x["k"], lse_r[:, rows], x["idx"][:, rows])
+    row[f"teacher_1k_rows_{backend}"] = get(f"{backend}_teacher")(*teacher_in)
+    row[f"teacher_1k_rows_{backend}_ms"] = timed(get(f"{backend}_teacher"), *teacher_in, reps=reps) * 1e3
+    loss_in = (x["iq"], x["ik"], x["iw"], x["q"], x["k"], lse_r, x["idx"])
+    row[f"indexer_loss_{backend}_ms"] = timed(get(f"{backend}_loss"), *loss_in, reps=r) * 1e3
+    stamp(f"{name} T={T}: {backend} loss pieces timed")
+  if "teacher_1k_rows_reference" in row:
+    row["teacher_rel_err"] = rel_err(row["teacher_1k_rows_pallas"], row["teacher_1k_rows_reference"])
+  row.pop("teacher_1k_rows_pallas")
+  row.pop("teacher_1k_rows_reference", None)
   return row
 
 
-def loss_pieces(shape: Shape, x, scale, out, lse, reps, skip_reference):
-  """The sparse indexer loss (fwd + bwd to the indexer) with the teacher from each backend, and the
-  teacher alone on 1024 query rows (the loss's chunk)."""
-  idx, q, k = x["idx"], x["q"], x["k"]
-  rows = slice(max(q.shape[1] - 1024, 0), q.shape[1])  # the last rows: the full k selected keys each
-  teacher = {"pallas": jax.jit(lambda q, k, lse, i: attention_teacher_pallas(q, k, lse, i, scale=scale)),
-             "reference": jax.jit(lambda q, k, lse, i: teacher_mass_reference(q, k, lse, i, scale=scale))}
-  tq, tl, ti = q[:, rows], lse[:, rows], idx[:, rows]
-  got = {}
-  result = {}
-  for backend in ("pallas",) + (() if skip_reference else ("reference",)):
-    got[backend] = teacher[backend](tq, k, tl, ti)
-    result[f"teacher_1k_rows_{backend}_ms"] = timed(teacher[backend], tq, k, tl, ti, reps=reps) * 1e3
-
-    def loss(iq, ik, iw, backend=backend):
-      return ops.indexer_loss(iq, ik, iw, q, k, lse, idx, attn_scale=scale, index_scale=shape.index_dim**-0.5,
-                              backend=backend)
-
-    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    r = 1 if backend == "reference" and q.shape[1] > 16384 else reps
-    result[f"indexer_loss_{backend}_ms"] = timed(fn, x["iq"], x["ik"], x["iw"], reps=r) * 1e3
-  if "reference" in got:
-    result["teacher_rel_err"] = rel_err(got["pallas"], got["reference"])
-  return result
+def _unwrap(compiled):
+  if isinstance(compiled, Exception):
+    raise compiled
+  return compiled
 
 
 def run_dense_teacher(shape: Shape, T, reps):
@@ -226,7 +297,7 @@ def run_check():
       (out_r, lse_r), g_p, errors = checked_outputs(fns, args)
       g_p2 = fns["pallas_bwd"](*args, out_r, lse_r)
       spread = {f"d{n}": float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                for n, a, b in zip("kv", g_p[1:3], g_p2[1:3])}
+                for n, a, b in zip("kv", g_p[1:3], g_p2[1:3]) if a is not None}
       print(f"check {name} T={T} {jnp.dtype(dtype).name}: errors vs reference "
             f"{ {k: float(f'{v:.2e}') for k, v in errors.items()} }, run-to-run max |diff| {spread}", flush=True)
 
@@ -238,16 +309,6 @@ TUNE_CONFIGS = [
     Config(block_h=16, block_k=32, num_warps=4, num_stages=1),
     Config(block_h=64, block_k=16, num_warps=8, num_stages=1),  # over the shared memory at MLA dims
 ]
-
-
-def use_relaxed_atomics():
-  """Experiment: Pallas-Triton emits atomics with acquire-release semantics; relaxed ones need no fences."""
-  import jax._src.pallas.triton.lowering as lowering
-  from jax._src.lib.triton import dialect as tt_dialect
-
-  original = lowering._atomic_rmw
-  lowering._atomic_rmw = lambda op, ptr, val, mask=None, **kw: original(
-      op, ptr, val, mask=mask, semantic=tt_dialect.MemSemantic.RELAXED)
 
 
 def run_tune(name, T, reps):
@@ -273,6 +334,52 @@ def run_tune(name, T, reps):
           flush=True)
 
 
+def print_row(row):
+  ref = lambda key: row.get(f"reference_{key}", float("nan"))
+  print(f"{row['shape']:6s} T={row['T']:6d} | fwd pallas {row['pallas_fwd_ms']:8.2f} ms {row['pallas_fwd_tflops']:6.1f}"
+        f" TF/s ref {ref('fwd_tflops'):5.1f} | bwd pallas {row['pallas_bwd_ms']:8.2f} ms"
+        f" {row['pallas_bwd_tflops']:6.1f} TF/s ref {ref('bwd_tflops'):5.1f}"
+        f" | fwd+bwd {row['pallas_fwd_bwd_ms']:8.2f} ms vs ref {ref('fwd_bwd_ms'):8.2f} ms"
+        f" | temp GB pallas {row['pallas_fwd_bwd_temp_gb']:.2f} ref {ref('fwd_bwd_temp_gb'):.2f}"
+        f" | teacher 1k rows {row['teacher_1k_rows_pallas_ms']:.2f} ms ref {row.get('teacher_1k_rows_reference_ms', float('nan')):.2f}"
+        f" | indexer loss fwd+bwd {row['indexer_loss_pallas_ms']:.1f} ms ref {row.get('indexer_loss_reference_ms', float('nan')):.1f}"
+        f" | errors {json.dumps({k: float(f'{v:.2e}') for k, v in row['errors'].items()})}", flush=True)
+
+
+def run_table(shapes, seqs, dense_seq, reps, skip_reference_above, workers, out_path):
+  """Every (shape, T) row: all programs compiled up front on `workers` threads, then checked and
+  timed row by row; the JSON is rewritten after each row, so a cut-off run keeps what it measured."""
+  rows = []
+
+  def save():
+    if out_path:
+      with open(out_path, "w") as f:
+        json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+
+  keys = [(name, T) for name in shapes for T in seqs]
+  programs = {key: row_programs(key[0], SHAPES[key[0]], key[1], key[1] > skip_reference_above) for key in keys}
+  compiled = compile_all(programs, workers)
+  for name, T in keys:
+    try:
+      row = run_row((name, T), SHAPES[name], T, compiled, reps, T > skip_reference_above)
+    except Exception as e:  # noqa: BLE001 - one failing row (e.g. out of memory) does not end the table
+      stamp(f"{name} T={T} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+      rows.append(dict(shape=name, T=T, error=f"{type(e).__name__}: {str(e)[:300]}"))
+      save()
+      continue
+    rows.append(row)
+    print_row(row)
+    save()
+  if dense_seq:
+    name = shapes[0]
+    dense = run_dense_teacher(SHAPES[name], dense_seq, reps)
+    rows.append(dict(shape=name, T=dense_seq, **dense))
+    print(f"{name:6s} T={dense_seq:6d} | dense warm-up indexer loss fwd+bwd (reference, streamed): "
+          f"{dense['dense_warmup_loss_ms']:.1f} ms", flush=True)
+    save()
+  return rows
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("mode", choices=["check", "tune", "table"])
@@ -282,13 +389,12 @@ def main():
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--dense-seq", type=int, default=16384, help="T for the dense warm-up loss (0: skip)")
   parser.add_argument("--skip-reference-above", type=int, default=1 << 30)
+  parser.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 16), help="compile threads")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device, in seconds")
-  parser.add_argument("--relaxed-atomics", action="store_true")
   parser.add_argument("--out", default="")
   args = parser.parse_args()
-  if args.relaxed_atomics:
-    use_relaxed_atomics()
-  print("device:", jax.devices()[0].device_kind, flush=True)
+  faulthandler.dump_traceback_later(300, repeat=True)  # where a long run spends its time
+  stamp("device:", jax.devices()[0].device_kind)
   if args.mode == "check":
     return run_check()
   if args.mode == "tune":
@@ -298,29 +404,7 @@ def main():
   shapes, seqs, dense_seq = args.shapes, args.seq, args.dense_seq
   if args.smoke:
     shapes, seqs, dense_seq = ["smoke"], [48], 48
-  rows = []
-  for name in shapes:
-    for T in seqs:
-      row = run_shape(name, SHAPES[name], T, args.reps, skip_reference=T > args.skip_reference_above)
-      rows.append(row)
-      ref = lambda key: row.get(f"reference_{key}", float("nan"))
-      print(f"{name:6s} T={T:6d} | fwd pallas {row['pallas_fwd_ms']:8.2f} ms {row['pallas_fwd_tflops']:6.1f} TF/s"
-            f" ref {ref('fwd_tflops'):5.1f} | bwd pallas {row['pallas_bwd_ms']:8.2f} ms"
-            f" {row['pallas_bwd_tflops']:6.1f} TF/s ref {ref('bwd_tflops'):5.1f}"
-            f" | fwd+bwd {row['pallas_fwd_bwd_ms']:8.2f} ms vs ref {ref('fwd_bwd_ms'):8.2f} ms"
-            f" | temp GB pallas {row['pallas_fwd_bwd_temp_gb']:.2f} ref {ref('fwd_bwd_temp_gb'):.2f}"
-            f" | teacher 1k rows {row['teacher_1k_rows_pallas_ms']:.2f} ms ref"
-            f" {row.get('teacher_1k_rows_reference_ms', float('nan')):.2f} | indexer loss fwd+bwd"
-            f" {row['indexer_loss_pallas_ms']:.1f} ms ref {row.get('indexer_loss_reference_ms', float('nan')):.1f}"
-            f" | errors {json.dumps({k: float(f'{v:.2e}') for k, v in row['errors'].items()})}", flush=True)
-    if dense_seq:
-      dense = run_dense_teacher(SHAPES[name], dense_seq, args.reps)
-      rows.append(dict(shape=name, T=dense_seq, **dense))
-      print(f"{name:6s} T={dense_seq:6d} | dense warm-up indexer loss fwd+bwd (reference, streamed): "
-            f"{dense['dense_warmup_loss_ms']:.1f} ms", flush=True)
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+  run_table(shapes, seqs, dense_seq, args.reps, args.skip_reference_above, args.workers, args.out)
 
 
 if __name__ == "__main__":
