@@ -93,51 +93,54 @@ def check_sparse_attention(mesh, n, d, backend, reps, tol, layouts=parallel.LAYO
   _, (q, k, v, idx, dout) = _inputs(d)
 
   def loss(attend):
-    def f(q, k, v):
-      out, lse = attend(q, k, v)
+    # idx and dout are arguments, not closed-over constants (GBs of constants make XLA compile crawl).
+    def f(q, k, v, idx, dout):
+      out, lse = attend(q, k, v, idx)
       return jnp.sum(out.astype(jnp.float32) * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
 
-  single = loss(lambda q, k, v: ops.sparse_attention(q, k, v, idx, scale=0.05, backend=backend))
-  want = single(q, k, v)
-  rows = [dict(check="sparse_attention fwd+bwd", layout="single device", seconds=timed(single, q, k, v, reps=reps))]
+  args = (q, k, v, idx, dout)
+  single = loss(lambda q, k, v, idx: ops.sparse_attention(q, k, v, idx, scale=0.05, backend=backend))
+  want = single(*args)
+  rows = [dict(check="sparse_attention fwd+bwd", layout="single device", seconds=timed(single, *args, reps=reps))]
   for layout in layouts:
     lay = lambda x: parallel.to_layout(x, n, layout)  # noqa: B023
 
-    def attend(q, k, v, layout=layout):
+    def attend(q, k, v, idx, layout=layout):
       out, lse = parallel.context_parallel_sparse_attention(
           lay(q), lay(k), lay(v), lay(idx), mesh=mesh, scale=0.05, layout=layout, backend=backend)
       return parallel.from_layout(out, n, layout), parallel.from_layout(lse, n, layout)
 
     cp = loss(attend)
-    got = cp(q, k, v)
+    got = cp(*args)
     errors = dict(value=_max_rel(got[0], want[0]), **{f"d{name}": _max_rel(g, w)
                                                       for name, g, w in zip("qkv", got[1], want[1])})
     rows.append(dict(check="sparse_attention fwd+bwd", layout=layout, ok=max(errors.values()) <= tol,
-                     max_rel_error=errors, seconds=timed(cp, q, k, v, reps=reps)))
+                     max_rel_error=errors, seconds=timed(cp, *args, reps=reps)))
   return rows
 
 
 def check_indexer_loss(mesh, d, backend, reps, tol) -> list[dict]:
   (iq, ik, iw), (q, k, v, idx, _) = _inputs(d)
   iq, ik, iw = (x.astype(jnp.float32) for x in (iq, ik, iw))
-  lse = jax.jit(lambda: ops.sparse_attention(q, k, v, idx, scale=0.05, backend=backend)[1])()
-  loss = lambda iq, ik, iw: ops.indexer_loss(iq, ik, iw, q, k, lse, idx, attn_scale=0.05, index_scale=0.5)
+  lse = jax.jit(lambda q, k, v, idx: ops.sparse_attention(q, k, v, idx, scale=0.05, backend=backend)[1])(q, k, v, idx)
+  teacher = (q, k, lse, idx)  # arguments, not constants (see check_sparse_attention)
+  loss = lambda iq, ik, iw, q, k, lse, idx: ops.indexer_loss(iq, ik, iw, q, k, lse, idx, attn_scale=0.05,
+                                                             index_scale=0.5)
   grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-  want = grad(iq, ik, iw)
-  single_s = timed(grad, iq, ik, iw, reps=reps)
+  want = grad(iq, ik, iw, *teacher)
+  single_s = timed(grad, iq, ik, iw, *teacher, reps=reps)
   with jax.set_mesh(mesh), _context.shard_map_on_one_device():
-    assert "shard_map" in str(jax.make_jaxpr(loss)(iq, ik, iw)), "indexer_loss did not split over context"
+    assert "shard_map" in str(jax.make_jaxpr(loss)(iq, ik, iw, *teacher)), "indexer_loss did not split over context"
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    got = grad(iq, ik, iw)
-    cp_s = timed(grad, iq, ik, iw, reps=reps)
+    got = grad(iq, ik, iw, *teacher)
+    cp_s = timed(grad, iq, ik, iw, *teacher, reps=reps)
   errors = dict(value=_max_rel(got[0], want[0]), **{f"d{name}": _max_rel(g, w)
                                                     for name, g, w in zip(("index_q", "index_k", "weights"),
                                                                           got[1], want[1])})
   return [dict(check="indexer_loss (sparse) + grads", layout="single device", seconds=single_s),
           dict(check="indexer_loss (sparse) + grads", layout="contiguous (ambient mesh)",
                ok=max(errors.values()) <= tol, max_rel_error=errors, seconds=cp_s)]
-
 
 def _train_config(workdir_root, smoke, **mesh):
   from configs import glm5_1  # noqa: PLC0415
