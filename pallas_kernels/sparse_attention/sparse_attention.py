@@ -16,6 +16,10 @@ value rows by integer-array loads.
   (query, head) pairs selected that key. The inverted alternative (key-outer, FSA-style) reads a
   whole [H, Dk] query row per selected pair instead of writing one [Dk] gradient row, 64-128x the
   bytes in MQA mode, so it loses here.
+- Values from the key row: with `v=None` (absorbed MLA's latent is the key's first 512 of 576
+  dims; DeepSeek-V4 has K = V) the gathered key part doubles as the value tile, and the backward
+  adds dV into that part's dK before one scatter: 576 atomics per (key, head block) instead of
+  576 + 512 (backward 56 -> 82 TF/s at MLA dims on the H200, bench/NOTES.md).
 - Teacher (indexer loss): `sum_h exp(S - lse)` at each selected key, the DSA distillation target,
   from the saved `lse` without writing per-head probabilities.
 
