@@ -16,3 +16,19 @@ jax.config.update("jax_default_matmul_precision", "highest")
 _CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops JAX's in-memory executables after each test module. XLA:CPU maps each compiled program's
+  code into its own memory regions (several thousand for one module's model-sized steps); a whole
+  suite in one process then nears the kernel's vm.max_map_count (65530) and a later compile
+  segfaults. The persistent cache above still serves recompiles."""
+  yield
+  jax.clear_caches()
+  gc.collect()

@@ -336,7 +336,7 @@ _BAD_INPUT_OPS = {
     "sparse_attention": (sparse_attention, _sparse_attention_args,
                          {"q": (0, 1, 2, 3), "k": (0, 1, 2, 3), "v": (0, 1, 2), "indices": (0, 1),
                           "sinks": (0,)},
-                         {"scale": _BAD_SCALE, "backend": _BAD_BACKEND}, {"sinks"}),
+                         {"scale": _BAD_SCALE, "backend": _BAD_BACKEND}, {"sinks", "v"}),  # v=None: k's prefix
     "indexer_loss": (indexer_loss, _indexer_loss_args,
                      {"index_q": (0, 1, 2, 3), "index_k": (0, 1, 2), "index_weights": (0, 1, 2),
                       "attn_q": (0, 1, 3), "attn_k": (0, 1, 3), "attn_lse": (0, 1, 2), "indices": (0, 1),
