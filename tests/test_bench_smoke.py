@@ -65,7 +65,6 @@ def test_smoke_run_writes_sane_rows(runs, name):
 
 
 def test_layer_step_plots_from_its_json(runs, tmp_path):
-  pytest.importorskip("matplotlib")
   proc, out = runs["layer_step"]
   proc.communicate(timeout=600)
   sys.path.insert(0, str(ROOT / "bench"))
