@@ -96,10 +96,6 @@ def flops(shape: Shape, T: int):
   return fwd, bwd
 
 
-def temp_gb(fn, *args):
-  return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes / 1e9
-
-
 def poison(*arrays):
   """Fills, then frees, NaN buffers the size of `arrays`, for the allocator to hand out next."""
   for a in arrays:
@@ -179,6 +175,12 @@ def stamp(*msg):
   print(f"[{time.strftime('%H:%M:%S')}]", *msg, flush=True)
 
 
+def teacher_inputs(x, lse):
+  """(q, k, lse, indices) of the teacher timing: the last 1024 rows, which select the full k keys."""
+  rows = slice(max(x["q"].shape[1] - 1024, 0), None)
+  return x["q"][:, rows], x["k"], lse[:, rows], x["idx"][:, rows]
+
+
 def row_programs(name, shape: Shape, T, skip_reference, fwd_config=None, bwd_config=None):
   """(key -> jitted fn, key -> abstract args) of every program one table row runs."""
   x = jax.eval_shape(lambda: make_inputs(shape, T))
@@ -192,10 +194,7 @@ def row_programs(name, shape: Shape, T, skip_reference, fwd_config=None, bwd_con
     if key.split("_")[0] in backends:
       fns[key] = jax.jit(fn)
       abstract[key] = args + ((out, lse) if key.endswith("_bwd") and "fwd" not in key else ())
-  rows = slice(max(T - 1024, 0), T)  # the last rows: the full k selected keys each
-  teacher_args = (jax.ShapeDtypeStruct((1, rows.stop - rows.start) + x["q"].shape[2:], x["q"].dtype), x["k"],
-                  jax.ShapeDtypeStruct((1, rows.stop - rows.start, shape.H), jnp.float32),
-                  jax.ShapeDtypeStruct((1, rows.stop - rows.start, shape.K), jnp.int32))
+  teacher_args = jax.eval_shape(teacher_inputs, x, lse)
   loss_args = (x["iq"], x["ik"], x["iw"], x["q"], x["k"], lse, x["idx"])
   for backend in backends:
     teacher = attention_teacher_pallas if backend == "pallas" else teacher_mass_reference
@@ -258,8 +257,7 @@ def run_row(row_key, shape: Shape, T, compiled, reps, skip_reference):
     row[f"{backend}_fwd_bwd_tflops"] = (fwd_flops + bwd_flops) / row[f"{backend}_fwd_bwd_ms"] / 1e9
     row[f"{backend}_fwd_bwd_temp_gb"] = compiled[row_key, f"{backend}_fwd_bwd"].memory_analysis().temp_size_in_bytes / 1e9
     stamp(f"{name} T={T}: {backend} attention timed")
-    rows = slice(max(T - 1024, 0), T)
-    teacher_in = (x["q"][:, rows], x["k"], lse_r[:, rows], x["idx"][:, rows])
+    teacher_in = teacher_inputs(x, lse_r)
     row[f"teacher_1k_rows_{backend}"] = get(f"{backend}_teacher")(*teacher_in)
     row[f"teacher_1k_rows_{backend}_ms"] = timed(get(f"{backend}_teacher"), *teacher_in, reps=reps) * 1e3
     loss_in = (x["iq"], x["ik"], x["iw"], x["q"], x["k"], lse_r, x["idx"])

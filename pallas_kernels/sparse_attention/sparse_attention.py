@@ -420,7 +420,7 @@ def sparse_attention_backward_pallas(residuals, cotangents, *, scale, config: Co
   q, k, v, indices, sinks, out, lse = residuals
   dout, dlse = cotangents
   value_is_prefix = v is None
-  v, Dv = _values(k, v, out.shape[-1] if v is None else None)
+  v, Dv = _values(k, v, out.shape[-1])
   config, interpret = _resolve(config, Config.backward_heuristics(q.shape[-1], Dv, jnp.dtype(k.dtype).itemsize),
                                interpret)
   lay = _Layout.make(q, k, Dv, indices, config, interpret)
