@@ -64,7 +64,7 @@ from hyscale_jax.model_config import ModelConfig  # noqa: E402
 from hyscale_jax.ops.flash_topk.api import REGISTRY as TOPK_REGISTRY  # noqa: E402
 from hyscale_jax.ops.sparse_attention.api import REGISTRY as ATTENTION_REGISTRY  # noqa: E402
 from hyscale_jax.training import step_modes  # noqa: E402
-from timing import timed  # noqa: E402
+from timing import CompileAhead, timed  # noqa: E402
 
 LAYERS = {"dsa": glm5_1, "csa": deepseek_v4_flash, "qsa": qwen3_8_flash_next}
 DEFAULT_SEQ = (16384, 32768, 65536, 131072, 262144, 524288, 1048576)
@@ -156,16 +156,16 @@ def select(kind, cfg, scale, d, index, *, backend):
                         backend=backend).indices
 
 
-def attention_args(kind, cfg, a, d, sel):
-  """(q, k, v, indices, kwargs) of the block's `ops.sparse_attention` call."""
+def attention_args(kind, cfg, d, sel):
+  """(q, k, v, indices) of the block's `ops.sparse_attention` call."""
   if kind == "dsa":
-    return d["q"], d["k"], d["v"], sel, dict(scale=cfg.attention_scale)
+    return d["q"], d["k"], d["v"], sel
   if kind == "csa":
     T = d["q"].shape[1]
     keys = jnp.concatenate([d["kv"], d["entries"]], axis=1)[:, :, None]
     idx = jnp.concatenate([window_indices(d["seg"], cfg.sliding_window), jnp.where(sel >= 0, sel + T, -1)], -1)
-    return d["q"], keys, keys, idx, dict(scale=a.scale, sinks=a.attn_sink[...])
-  return d["q"], d["k"], d["v"], expand_blocks(sel, d["seg"], cfg.qsa_block), dict(scale=a.scale)
+    return d["q"], keys, keys, idx
+  return d["q"], d["k"], d["v"], expand_blocks(sel, d["seg"], cfg.qsa_block)
 
 
 def indexer_loss(kind, cfg, a, d, index, sel, lse, backend):
@@ -180,58 +180,59 @@ def indexer_loss(kind, cfg, a, d, index, sel, lse, backend):
                           grad_in_forward=cfg.indexer_loss_grad_in_forward, backend=backend)
 
 
-def component_times(kind, block, x, modes, reps):
-  """Seconds of each part alone: {name: s}; selection and indexer loss per backend/variant.
+def run_parts(kind, block, x, modes, call):
+  """Runs the block's parts one after another through `call(name, fn, *args) -> fn's output`.
 
-  Every array is passed to the jitted functions as an argument (never closed over as a constant).
+  The same chain serves planning (`block` and `x` abstract; `call` compiles ahead and returns
+  abstract outputs) and timing (`call` runs the compiled program and returns real outputs), so both
+  see the same programs. Every array is an argument of its program, never a closed-over constant.
   """
-  cfg, a = block.attn.cfg, block.attn
-  d = jax.jit(lambda x: op_inputs(kind, block, x))(x)
+  a, cfg = block.attn, block.attn.cfg
+  block_graph, block_state = nnx.split(block)
   idx_graph, idx_state = nnx.split(a.indexer)
+  sinks = a.attn_sink.value if kind == "csa" else None
+  d = call("inputs", lambda s, x: op_inputs(kind, nnx.merge(block_graph, s), x), block_state, x)
   project = lambda s, d: indexer_call(kind, nnx.merge(idx_graph, s), d)
-  index = jax.jit(project)(idx_state, d)
 
   def proj_loss(s, d):
     return sum(jnp.mean(jnp.square(t.astype(jnp.float32))) for t in project(s, d) if t is not None)
 
-  times = {"indexer_proj_fwd": timed(jax.jit(project), idx_state, d, reps=reps),
-           "indexer_proj_fwd_bwd": timed(jax.jit(jax.grad(proj_loss)), idx_state, d, reps=reps)}
-  scale = a.indexer.score_scale
+  index = call("indexer_proj_fwd", project, idx_state, d)
+  call("indexer_proj_fwd_bwd", jax.grad(proj_loss), idx_state, d)
   sel = None
   for backend in sorted({step_modes.settings(m)[0]["flash_topk"] for m in modes}):
-    fn = jax.jit(functools.partial(select, kind, cfg, scale, backend=backend))
-    times[f"selection[{backend}]"] = timed(fn, d, index, reps=reps)
-    sel = fn(d, index)
-  q, k, v, idx, kw = attention_args(kind, cfg, a, d, sel)
-  scale_kw = dict(scale=kw["scale"])
-  attend = lambda q, k, v, idx, sinks: ops.sparse_attention(q, k, v, idx, sinks=sinks, **scale_kw)
-  args = (q, k, v, idx, kw.get("sinks"))
-  times["attention_fwd"] = timed(jax.jit(attend), *args, reps=reps)
-  lse = jax.jit(attend)(*args)[1]
-  attn_loss = lambda q, k, v, idx, sinks: jnp.mean(jnp.square(attend(q, k, v, idx, sinks)[0].astype(jnp.float32)))
-  times["attention_fwd_bwd"] = timed(jax.jit(jax.grad(attn_loss, argnums=(0, 1, 2))), *args, reps=reps)
-  times["attention_bwd"] = max(times["attention_fwd_bwd"] - times["attention_fwd"], 0.0)
+    sel = call(f"selection[{backend}]", functools.partial(select, kind, cfg, a.indexer.score_scale, backend=backend),
+               d, index)
+  q, k, v, idx = call("attention_inputs", lambda d, sel: attention_args(kind, cfg, d, sel), d, sel)
+  scale = cfg.attention_scale if kind == "dsa" else a.scale
+  attend = lambda q, k, v, idx, sinks: ops.sparse_attention(q, k, v, idx, sinks=sinks, scale=scale)
+  args = (q, k, v, idx, sinks)
+  lse = call("attention_fwd", attend, *args)[1]
+  attn_loss = lambda *args: jnp.mean(jnp.square(attend(*args)[0].astype(jnp.float32)))
+  call("attention_fwd_bwd", jax.grad(attn_loss, argnums=(0, 1, 2)), *args)
   del q, k, v, idx, args
-  for variant in sorted({loss_variant(m) for m in modes}):
+  for variant in sorted({loss_variant(kind, m) for m in modes}):
     backend, fused, chunk = variant
     vcfg = dataclasses.replace(cfg, indexer_loss_grad_in_forward=fused, qsa_loss_chunk=chunk)
     loss = lambda iq, ik, iw, d, sel, lse: indexer_loss(kind, vcfg, a, d, (iq, ik, iw), sel, lse, backend)
-    times[f"loss_fwd{variant}"] = timed(jax.jit(loss), *index, d, sel, lse, reps=reps)
-    times[f"loss_fwd_bwd{variant}"] = timed(jax.jit(jax.grad(loss, argnums=(0, 1))), *index, d, sel, lse, reps=reps)
-  return times
+    call(f"loss_fwd{variant}", loss, *index, d, sel, lse)
+    call(f"loss_fwd_bwd{variant}", jax.grad(loss, argnums=(0, 1)), *index, d, sel, lse)
 
 
-def loss_variant(mode):
+def loss_variant(kind, mode):
+  """(indexer loss backend, fused gradient, QSA chunk) of `mode`, with the fields `kind` never reads zeroed."""
   ops_, model = step_modes.settings(mode)
-  return (ops_["indexer_loss"], model["indexer_loss_grad_in_forward"], model["qsa_loss_chunk"])
+  uses = _LAYER_USES[kind]
+  return (ops_["indexer_loss"], model["indexer_loss_grad_in_forward"] and "indexer_loss_grad_in_forward" in uses,
+          model["qsa_loss_chunk"] if "qsa_loss_chunk" in uses else 0)
 
 
 def breakdown(kind, mode, times, step_s):
   """{part: seconds per step} and {part: executions per step} of `mode` from the parts' times."""
   ops_, model = step_modes.settings(mode)
   replay = model["remat_policy"] == "selection_replay"
-  variant = loss_variant(mode)
-  fused = variant[1] and replay and kind != "qsa"
+  variant = loss_variant(kind, mode)
+  fused = variant[1] and replay
   counts = {"indexer_projections": 1, "selection": 1 if replay else 2, "attention_fwd": 1 if replay else 2,
             "attention_bwd": 1, "indexer_loss": 1 if fused else 2}
   parts = {
@@ -291,24 +292,49 @@ class Results:
         json.dump(self.data, f, indent=1)
 
 
-def run_layer(kind, T, modes, args, results, tolerance):
+def ablation_applies(kind: str, T: int, mode: str) -> bool:
+  """False for a `+replay+<opt>` line whose optimization this layer never uses at this T (a duplicate)."""
+  if mode not in step_modes.ABLATIONS:
+    return True
+  overrides = step_modes.HOLISTIC[mode.removeprefix("+replay+")]
+  return any(field in _LAYER_USES[kind] and not (field == "attention_query_chunk" and T <= value)
+             for field, value in overrides.items())
+
+
+# The holistic config fields each layer kind reads.
+_LAYER_USES = {"dsa": {"indexer_loss_grad_in_forward", "attention_query_chunk"},
+               "csa": {"indexer_loss_grad_in_forward"}, "qsa": {"qsa_loss_chunk"}}
+
+
+def plan_layer(kind, T, modes, args, programs):
+  """Submits every program of one (layer, T) to `programs`, which compiles them ahead of `run_layer`."""
+  variant = "tiny" if args.smoke else "full"
+  x = jax.ShapeDtypeStruct((1, T, layer_config(kind, variant, modes[0]).d_model), jnp.bfloat16)
+  for mode in modes:
+    cfg = layer_config(kind, variant, mode)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda cfg=cfg: Block(kind, cfg)))
+    programs.submit((kind, T, f"step[{mode}]"), step_fn(kind, mode, cfg, graphdef), state, x)
+  if not args.no_breakdown:
+    block = nnx.eval_shape(lambda: Block(kind, layer_config(kind, variant, "+replay")))
+    run_parts(kind, block, x, modes, lambda name, fn, *a: programs.submit((kind, T, name), jax.jit(fn), *a))
+
+
+def run_layer(kind, T, modes, args, programs, results, tolerance):
+  """Checks and times every mode of one (layer, T) from its programs compiled ahead; returns the rows."""
   variant = "tiny" if args.smoke else "full"
   x = jax.random.normal(jax.random.key(T), (1, T, layer_config(kind, variant, modes[0]).d_model), jnp.bfloat16)
-  reference, base_s, rows = None, None, []
-  times = None
+  reference, base_s, rows, times = None, None, [], None
   for mode in modes:
     cfg = layer_config(kind, variant, mode)
     row = dict(layer=kind, T=T, mode=mode, config=variant, remat_policy=cfg.remat_policy,
                ops=step_modes.settings(mode)[0],
                resolved=dict(flash_topk=_resolve(TOPK_REGISTRY, step_modes.settings(mode)[0]["flash_topk"]),
                              sparse_attention=_resolve(ATTENTION_REGISTRY, "auto")))
-    _log(f"{kind} T={T} {mode}: compile")
+    _log(f"{kind} T={T} {mode}: waiting for its compile")
     try:
-      block = Block(kind, cfg)
-      graphdef, state = nnx.split(block)
-      fn = step_fn(kind, mode, cfg, graphdef)
-      compiled = fn.lower(state, x).compile()
+      compiled = programs.get((kind, T, f"step[{mode}]"))
       row["peak_gb"] = peak_gb(compiled)
+      state = nnx.split(Block(kind, cfg))[1]  # the same weights in every mode (fixed seeds)
       if reference is not None:
         poison(reference)
       out = jax.block_until_ready(compiled(state, x))  # the warm-up, checked below
@@ -322,6 +348,7 @@ def run_layer(kind, T, modes, args, results, tolerance):
       if out is not reference:
         del out
       row["step_s"] = timed(compiled, state, x, reps=args.reps, warmup=False)
+      del compiled, state
       if mode == modes[0]:
         base_s = row["step_s"]
       row["speedup"] = base_s / row["step_s"] if base_s else None
@@ -332,22 +359,37 @@ def run_layer(kind, T, modes, args, results, tolerance):
       _log(f"{kind} T={T} {mode}: OOM ({str(err).splitlines()[0][:160]})")
     if isinstance(row["step_s"], float) and not args.no_breakdown:
       if times is None:
-        try:
-          _log(f"{kind} T={T}: timing the parts alone")
-          times = component_times(kind, Block(kind, cfg), x, modes, args.reps)
-        except Exception as err:  # noqa: BLE001
-          if not is_oom(err):
-            raise
-          times = {}
-          _log(f"{kind} T={T}: parts OOM")
+        _log(f"{kind} T={T}: timing the parts alone")
+        times = part_times(kind, variant, x, modes, args, programs)
       if times:
         row["parts_s"], row["counts"] = breakdown(kind, mode, times, row["step_s"])
     row["parts_alone_s"] = times
     _log(_describe(row))
     results.add(row)
     rows.append(row)
-    jax.clear_caches()
   return rows
+
+
+def part_times(kind, variant, x, modes, args, programs):
+  """{part: median seconds} of the parts alone ({} when they do not fit the device)."""
+  times, untimed = {}, ("inputs", "attention_inputs")
+
+  def call(name, fn, *a):
+    compiled = programs.get((kind, x.shape[1], name))
+    out = jax.block_until_ready(compiled(*a))  # the warm-up; its output feeds the next part
+    if name not in untimed:
+      times[name] = timed(compiled, *a, reps=args.reps, warmup=False)
+    return out
+
+  try:
+    run_parts(kind, Block(kind, layer_config(kind, variant, "+replay")), x, modes, call)
+  except Exception as err:  # noqa: BLE001
+    if not is_oom(err):
+      raise
+    _log(f"{kind} T={x.shape[1]}: parts OOM")
+    return {}
+  times["attention_bwd"] = max(times["attention_fwd_bwd"] - times["attention_fwd"], 0.0)
+  return times
 
 
 def _resolve(registry, backend):
@@ -379,9 +421,16 @@ def run(args):
        " (only selection, recomputation and the indexer loss's backward differ)")
   results = Results(args.out, args.append)
   tolerance = 0.05  # bf16 steps; different near-tie selections move a few rows
-  for kind in args.layers:
-    for T in seqs:
-      run_layer(kind, T, modes, args, results, tolerance)
+  pairs = [(kind, T, [m for m in modes if ablation_applies(kind, T, m)]) for kind in args.layers for T in seqs]
+  programs = CompileAhead(args.compile_workers)
+  try:
+    for kind, T, layer_modes in pairs:
+      plan_layer(kind, T, layer_modes, args, programs)
+    _log(f"traced {len(programs)} programs; compiling on {args.compile_workers} threads")
+    for kind, T, layer_modes in pairs:
+      run_layer(kind, T, layer_modes, args, programs, results, tolerance)
+  finally:
+    programs.shutdown()
   print_table(results.data["rows"])
 
 
@@ -463,6 +512,8 @@ def main(argv=None):
   parser.add_argument("--ablation", action="store_true", help="add one +replay+<opt> mode per holistic optimization")
   parser.add_argument("--no-breakdown", action="store_true", help="skip timing the parts alone")
   parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
+                      help="threads compiling ahead of the device work")
   parser.add_argument("--out", default="bench/results/layer_step.json")
   parser.add_argument("--append", action="store_true", help="keep the rows already in --out")
   parser.add_argument("--plots", default=PLOTS)

@@ -16,3 +16,36 @@ def timed(fn, *args, reps=5, warmup=True):
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
   return float(np.median(times))
+
+
+class CompileAhead:
+  """Compiles jitted programs on a thread pool, in the order submitted, while earlier ones run.
+
+  XLA and Triton compile off the GIL, so a (layer, T) sweep's dozens of programs at real dims
+  compile concurrently and mostly behind the device work instead of one after another.
+  `submit` traces in the caller's thread (so closures bind now) and returns the abstract outputs;
+  `get` waits for the executable, or raises the compile's error.
+  """
+
+  def __init__(self, workers: int):
+    import concurrent.futures  # noqa: PLC0415
+
+    self._pool = concurrent.futures.ThreadPoolExecutor(max(1, workers))
+    self._futures = {}
+
+  def submit(self, key, jitted, *args):
+    out = jitted.eval_shape(*args)
+    self._futures[key] = self._pool.submit(lambda: jitted.lower(*args).compile())
+    return out
+
+  def __len__(self):
+    return len(self._futures)
+
+  def get(self, key):
+    """The compiled program (dropped from the pool's table: the caller owns it)."""
+    return self._futures.pop(key).result()
+
+  def shutdown(self):
+    for future in self._futures.values():
+      future.cancel()
+    self._pool.shutdown(wait=False, cancel_futures=True)
