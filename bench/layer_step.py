@@ -157,14 +157,14 @@ def select(kind, cfg, scale, d, index, *, backend):
 
 
 def attention_args(kind, cfg, d, sel):
-  """(q, k, v, indices) of the block's `ops.sparse_attention` call."""
+  """(q, k, v, indices) of the block's `ops.sparse_attention` call, v None where the layer reads values from k."""
   if kind == "dsa":
-    return d["q"], d["k"], d["v"], sel
+    return d["q"], d["k"], None, sel  # values: k's latent prefix (value_dim), as MLASparseAttention
   if kind == "csa":
     T = d["q"].shape[1]
     keys = jnp.concatenate([d["kv"], d["entries"]], axis=1)[:, :, None]
     idx = jnp.concatenate([window_indices(d["seg"], cfg.sliding_window), jnp.where(sel >= 0, sel + T, -1)], -1)
-    return d["q"], keys, keys, idx
+    return d["q"], keys, None, idx  # K = V
   return d["q"], d["k"], d["v"], expand_blocks(sel, d["seg"], cfg.qsa_block)
 
 
@@ -205,11 +205,13 @@ def run_parts(kind, block, x, modes, call):
                d, index)
   q, k, v, idx = call("attention_inputs", lambda d, sel: attention_args(kind, cfg, d, sel), d, sel)
   scale = cfg.attention_scale if kind == "dsa" else a.scale
-  attend = lambda q, k, v, idx, sinks: ops.sparse_attention(q, k, v, idx, sinks=sinks, scale=scale)
+  value_dim = cfg.kv_lora_rank if kind == "dsa" else None
+  attend = lambda q, k, v, idx, sinks: ops.sparse_attention(q, k, v, idx, sinks=sinks, scale=scale,
+                                                            value_dim=value_dim)
   args = (q, k, v, idx, sinks)
   lse = call("attention_fwd", attend, *args)[1]
   attn_loss = lambda *args: jnp.mean(jnp.square(attend(*args)[0].astype(jnp.float32)))
-  call("attention_fwd_bwd", jax.grad(attn_loss, argnums=(0, 1, 2)), *args)
+  call("attention_fwd_bwd", jax.grad(attn_loss, argnums=(0, 1) if v is None else (0, 1, 2)), *args)
   del q, k, v, idx, args
   for variant in sorted({loss_variant(kind, m) for m in modes}):
     backend, fused, chunk = variant
