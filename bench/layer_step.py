@@ -81,6 +81,8 @@ def layer_config(kind: str, variant: str, mode: str) -> ModelConfig:
   model.update(step_modes.settings(mode)[1], dtype="bfloat16", param_dtype="bfloat16")
   if variant == "tiny" and model.get("qsa_loss_chunk"):
     model["qsa_loss_chunk"] = 48  # several chunks at smoke lengths
+  if variant == "tiny" and model.get("attention_query_chunk"):
+    model["attention_query_chunk"] = 32  # four query chunks at T=128
   return ModelConfig.from_config(model)
 
 

@@ -99,6 +99,10 @@ class ModelConfig:
   indexer_loss_grad_in_forward: bool = False
   # QSA's block indexer loss runs over this many query rows at a time (0: all rows at once).
   qsa_loss_chunk: int = 0
+  # MLA (DSA) attention over this many query rows at a time when T is longer (T must then be a
+  # multiple): the keys are computed once, and the absorbed queries, the attention output and
+  # their gradients exist one chunk at a time (0: all rows at once).
+  attention_query_chunk: int = 0
   # QSA indexer q/k norms zero-centred (weight applied as 1 + w), as transformers' qwen4_exp has them.
   indexer_norm_zero_centered: bool = False
   # Numerics and memory.
@@ -131,6 +135,9 @@ class ModelConfig:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {_DTYPES}.")
     if not isinstance(self.qsa_loss_chunk, int) or self.qsa_loss_chunk < 0:
       raise ValueError(f"model.qsa_loss_chunk={self.qsa_loss_chunk!r} must be an int >= 0 (0: unchunked).")
+    if not isinstance(self.attention_query_chunk, int) or self.attention_query_chunk < 0:
+      raise ValueError(f"model.attention_query_chunk={self.attention_query_chunk!r} must be an int >= 0 "
+                       "(0: unchunked).")
     self._check_hyper_connections()
     if self.shared_expert_gate and self.n_shared_experts < 1:
       raise ValueError("model.shared_expert_gate=True needs shared experts, got "

@@ -304,3 +304,23 @@ def test_sparse_variants_match_reference(variant):
   np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
   for g, w in zip(got[1], want[1]):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("context", [1, 4])
+def test_with_row_count_returns_the_rows_with_a_support(context):
+  """`with_row_count=True`: the same loss, and the rows counted (non-empty support), summed over a
+  context mesh's shards; this is what lets callers combine means over row chunks."""
+  rng = np.random.default_rng(7)
+  B, T, S, HI, DI, H, G, Dk, K = 2, 16, 16, 2, 8, 4, 1, 8, 5
+  (iq, ik, iw, aq, ak), scale = _make_inputs(rng, B, T, S, HI, DI, H, G, Dk, True)
+  idx = _sparse_indices(rng, B, T, S, K)
+  idx = idx.at[1, 9:13].set(-1).at[0, 5].set(S + 2)  # empty supports: 1 + 4 + 1 rows
+  alse = _attention_lse(aq, ak, idx, scale)
+  call = lambda **kw: indexer_loss(iq, ik, iw, aq, ak, alse, idx, attn_scale=scale, index_scale=_INDEX_SCALE, **kw)
+  want = call()
+  mesh = jax.make_mesh((context,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:context])
+  with jax.set_mesh(mesh):
+    loss, rows = call(with_row_count=True)
+  assert int(rows) == B * T - 6
+  np.testing.assert_allclose(loss, want, rtol=1e-6)

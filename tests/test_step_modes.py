@@ -27,6 +27,8 @@ def _loss_and_grads(cfg, mode, chunk=None):
   ops, overrides = step_modes.settings(mode)
   if chunk and overrides["qsa_loss_chunk"]:
     overrides["qsa_loss_chunk"] = chunk
+  if overrides["attention_query_chunk"]:
+    overrides["attention_query_chunk"] = 8  # four query chunks of the 32 tokens
   model = models.build(dataclasses.replace(cfg, **overrides), rngs=nnx.Rngs(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tokens = jax.random.randint(jax.random.key(1), (1, 32), 0, cfg.vocab_size)

@@ -92,6 +92,49 @@ class LightningIndexer(nnx.Module):
     pe = apply_rope(pe, positions, theta=self.rope_theta, interleaved=self.rope_interleave)
     return jnp.concatenate([pe, nope] if self.rope_first else [nope, pe], axis=-1)
 
+  def queries(
+      self,
+      x: Float[Array, "B T D"],
+      q_latent: Float[Array, "B T L"],
+      positions: Int[Array, "B T"] | None = None,
+  ) -> tuple[Float[Array, "B T HI DI"], Float[Array, "B T HI"]]:
+    """The query side of `__call__`: (q [B, T, HI, DI], weights f32[B, T, HI]) of some query rows.
+
+    Row-local, so it runs on any slice of rows (with their positions) and gives those rows of the
+    whole call's result; MLA's query chunking relies on it.
+    """
+    x, q_latent = jax.lax.stop_gradient((x, q_latent))
+    B, T, _ = x.shape
+    q = self._rope(self.wq_b(q_latent).reshape(B, T, self.num_heads, self.head_dim), _positions(x, positions))
+    if self.hadamard:
+      q = q @ jnp.asarray(hadamard_matrix(self.head_dim), q.dtype)
+    weights = self.weights_proj(x.astype(jnp.float32)) * self.num_heads**-0.5  # [B, T, HI]
+    if not self.scoring_relu:
+      merged = jnp.einsum("bthd,bth->btd", q.astype(jnp.float32), weights).astype(q.dtype)
+      q = jnp.stack([merged, -merged], axis=2)  # [B, T, 2, DI]
+      weights = jnp.broadcast_to(jnp.asarray([1.0, -1.0], jnp.float32), (B, T, 2))
+    return q, weights
+
+  def keys(
+      self,
+      x: Float[Array, "B T D"],
+      positions: Int[Array, "B T"] | None = None,
+      segment_ids: Int[Array, "B T"] | None = None,
+  ) -> Float[Array, "B S DI"]:
+    """The key side of `__call__`: k [B, S, DI] (S = T, or T // ratio with a key compressor)."""
+    x = jax.lax.stop_gradient(x)
+    B, T, _ = x.shape
+    positions = _positions(x, positions)
+    if self.compressor is None:
+      k = self._rope(self.k_norm(self.wk(x)), positions)  # [B, T, DI]
+    else:
+      if segment_ids is None:
+        segment_ids = jnp.zeros((B, T), jnp.int32)
+      k = self.compressor(x, positions, segment_ids)[0]  # [B, T // ratio, DI]
+    if self.hadamard:
+      k = k @ jnp.asarray(hadamard_matrix(self.head_dim), k.dtype)
+    return k
+
   def __call__(
       self,
       x: Float[Array, "B T D"],
@@ -102,7 +145,7 @@ class LightningIndexer(nnx.Module):
     """Returns (q [B, T, HI, DI], k [B, S, DI], weights f32[B, T, HI]) from detached inputs.
 
     S is T, or T // ratio with a key compressor. With `scoring_relu=False`, HI is 2 (see the class
-    docstring).
+    docstring). The same as `queries(x, q_latent, positions)` and `keys(x, positions, segment_ids)`.
 
     Args:
       x: [B, T, D] the attention block's input (after the pre-attention norm).
@@ -110,23 +153,13 @@ class LightningIndexer(nnx.Module):
       positions: i32[B, T] token positions for RoPE (default 0..T-1).
       segment_ids: i32[B, T] packed-document ids, for the key compressor (default one document).
     """
-    x, q_latent = jax.lax.stop_gradient((x, q_latent))
-    B, T, _ = x.shape
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    q = self._rope(self.wq_b(q_latent).reshape(B, T, self.num_heads, self.head_dim), positions)
-    if self.compressor is None:
-      k = self._rope(self.k_norm(self.wk(x)), positions)  # [B, T, DI]
-    else:
-      if segment_ids is None:
-        segment_ids = jnp.zeros((B, T), jnp.int32)
-      k = self.compressor(x, positions, segment_ids)[0]  # [B, T // ratio, DI]
-    if self.hadamard:
-      rotation = jnp.asarray(hadamard_matrix(self.head_dim), q.dtype)
-      q, k = q @ rotation, k @ rotation
-    weights = self.weights_proj(x.astype(jnp.float32)) * self.num_heads**-0.5  # [B, T, HI]
-    if not self.scoring_relu:
-      merged = jnp.einsum("bthd,bth->btd", q.astype(jnp.float32), weights).astype(q.dtype)
-      q = jnp.stack([merged, -merged], axis=2)  # [B, T, 2, DI]
-      weights = jnp.broadcast_to(jnp.asarray([1.0, -1.0], jnp.float32), (B, T, 2))
-    return q, k, weights
+    q, weights = self.queries(x, q_latent, positions)
+    return q, self.keys(x, positions, segment_ids), weights
+
+
+def _positions(x, positions):
+  """`positions`, or 0..T-1 in every row of x [B, T, ...] when None."""
+  if positions is not None:
+    return positions
+  B, T = x.shape[:2]
+  return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))

@@ -9,11 +9,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from hyscale_jax import ops
+from hyscale_jax import ops, remat
 from hyscale_jax import sharding as shd
 from hyscale_jax.layers.indexer import LightningIndexer
 from hyscale_jax.layers.rope import apply_rope
 from hyscale_jax.model_config import ModelConfig
+from hyscale_jax.ops import _streaming as st
 
 
 class AttentionOutput(NamedTuple):
@@ -76,23 +77,48 @@ class MLASparseAttention(nnx.Module):
         scoring_relu=cfg.indexer_scoring_relu, hadamard=cfg.indexer_hadamard,
         rngs=rngs, dtype=dtype, param_dtype=pdtype) if has_indexer else None
 
-  def _mqa_inputs(self, x, positions):
-    """Absorbed q [B, T, H, L+R], shared k [B, T, 1, L+R], v [B, T, 1, L], latent c_q, and W_UV."""
+  def _absorption(self):
+    """W_UK [L, H, qk_nope] and W_UV [L, H, v_head_dim], the two halves of kv_b_proj."""
+    cfg = self.cfg
+    L, nope = cfg.kv_lora_rank, cfg.qk_nope_dim
+    w_kv_b = self.kv_b_proj.kernel[...].reshape(L, cfg.n_heads, nope + cfg.v_head_dim)
+    return w_kv_b[..., :nope], w_kv_b[..., nope:]
+
+  def _mqa_queries(self, x, positions, w_uk):
+    """Absorbed q [B, t, H, L+R] and latent c_q [B, t, q_lora] of query rows x [B, t, D] (row-local)."""
     cfg = self.cfg
     B, T, _ = x.shape
-    H, nope, R, L = cfg.n_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank
+    nope, R = cfg.qk_nope_dim, cfg.qk_rope_dim
     c_q = self.q_a_layernorm(self.q_a_proj(x))  # [B, T, q_lora]
-    q = self.q_b_proj(c_q).reshape(B, T, H, nope + R)
+    q = self.q_b_proj(c_q).reshape(B, T, cfg.n_heads, nope + R)
     q_pe = apply_rope(q[..., nope:], positions, theta=cfg.rope_theta, interleaved=True)
+    q_latent = jnp.einsum("bthn,lhn->bthl", q[..., :nope], w_uk.astype(q.dtype))  # [B, T, H, L]
+    return jnp.concatenate([q_latent, q_pe], axis=-1), c_q
+
+  def _mqa_keys(self, x, positions):
+    """Shared k [B, T, 1, L+R] and v [B, T, 1, L] (k's latent prefix) of all T rows."""
+    L = self.cfg.kv_lora_rank
     kv = self.kv_a_proj_with_mqa(x)  # [B, T, L + R]
     c_kv = self.kv_a_layernorm(kv[..., :L])  # [B, T, L]
-    k_pe = apply_rope(kv[..., L:], positions, theta=cfg.rope_theta, interleaved=True)
-    w_kv_b = self.kv_b_proj.kernel[...].reshape(L, H, nope + cfg.v_head_dim)
-    w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]
-    q_latent = jnp.einsum("bthn,lhn->bthl", q[..., :nope], w_uk.astype(q.dtype))  # [B, T, H, L]
-    q_mqa = jnp.concatenate([q_latent, q_pe], axis=-1)  # [B, T, H, L + R]
-    k_mqa = jnp.concatenate([c_kv, k_pe], axis=-1)[:, :, None, :]  # [B, T, 1, L + R]
-    return q_mqa, k_mqa, c_kv[:, :, None, :], c_q, w_uv
+    k_pe = apply_rope(kv[..., L:], positions, theta=self.cfg.rope_theta, interleaved=True)
+    return jnp.concatenate([c_kv, k_pe], axis=-1)[:, :, None, :], c_kv[:, :, None, :]
+
+  def _mqa_inputs(self, x, positions):
+    """Absorbed q [B, T, H, L+R], shared k [B, T, 1, L+R], v [B, T, 1, L], latent c_q, and W_UV."""
+    w_uk, w_uv = self._absorption()
+    q, c_q = self._mqa_queries(x, positions, w_uk)
+    k, v = self._mqa_keys(x, positions)
+    return q, k, v, c_q, w_uv
+
+  def _query_chunk(self, T: int) -> int:
+    """Rows per query chunk for a length-T sequence, or 0 when T fits one chunk (or chunking is off)."""
+    chunk = self.cfg.attention_query_chunk
+    if not chunk or T <= chunk:
+      return 0
+    if T % chunk:
+      raise ValueError(f"model.attention_query_chunk={chunk} must divide the sequence length T={T} "
+                       "(or be >= T, or 0 for no chunking).")
+    return chunk
 
   def __call__(
       self,
@@ -106,6 +132,12 @@ class MLASparseAttention(nnx.Module):
   ) -> AttentionOutput:
     """Attention of each token over its selection (or over all causal keys when `dense`).
 
+    With `cfg.attention_query_chunk` > 0 and T above it, the sparse path runs over query chunks of
+    that many rows (T must be a multiple): the keys (k, the indexer's keys) are computed once for
+    all T, and each chunk computes its queries, selection, attention, indexer loss and output
+    projection under `remat.remat(..., cfg.remat_policy)`, so no [B, T, H, ...] query-side array
+    exists at once. Queries are independent given the keys, so the result is the same.
+
     Args:
       x: [B, T, D] the normalised block input.
       positions: i32[B, T] positions within each packed document (RoPE).
@@ -115,36 +147,66 @@ class MLASparseAttention(nnx.Module):
       backends: an object with `flash_topk`, `sparse_attention`, `indexer_loss` backend names.
 
     Returns:
-      AttentionOutput(out [B, T, D] in the module dtype, indices, indexer_loss).
+      AttentionOutput(out [B, T, D] in the module dtype, indices [B, T, K], indexer_loss).
+
+    Raises:
+      ValueError: a layer without an indexer gets no `shared_indices`, or T is above
+        `attention_query_chunk` but not a multiple of it.
     """
     cfg = self.cfg
     B, T, _ = x.shape
-    q, k, v, c_q, w_uv = self._mqa_inputs(x, positions)
-    scale, segs = cfg.attention_scale, (segment_ids, segment_ids)
+    scale = cfg.attention_scale
     backend = lambda name: getattr(backends, name, "auto") if backends is not None else "auto"
-    index_inputs = None if self.indexer is None else self.indexer(x, c_q, positions)
-    indices, indexer_loss = None, None
     if dense:
-      out = dense_causal_attention(q, k, v, segment_ids, scale)
-      if index_inputs is not None:
-        indexer_loss = ops.indexer_loss(*index_inputs, q, k, None, None, attn_scale=scale,
-                                        index_scale=self.indexer.score_scale, segment_ids=segs,
-                                        backend=backend("indexer_loss"))
-    else:
-      if index_inputs is not None:
-        indices = ops.flash_topk(*index_inputs, topk=cfg.index_topk, scale=self.indexer.score_scale,
-                                 segment_ids=segs, backend=backend("flash_topk")).indices
-      elif shared_indices is None:
-        raise ValueError("a layer without its own indexer needs shared_indices from a full layer.")
-      else:
-        indices = shared_indices
+      q, k, v, c_q, w_uv = self._mqa_inputs(x, positions)
+      out, indexer_loss = dense_causal_attention(q, k, v, segment_ids, scale), None
+      if self.indexer is not None:
+        indexer_loss = ops.indexer_loss(*self.indexer(x, c_q, positions), q, k, None, None, attn_scale=scale,
+                                        index_scale=self.indexer.score_scale,
+                                        segment_ids=(segment_ids, segment_ids), backend=backend("indexer_loss"))
+      heads = jnp.einsum("bthl,lhv->bthv", out, w_uv.astype(out.dtype))  # [B, T, H, v_head_dim]
+      return AttentionOutput(self.o_proj(heads.reshape(B, T, -1)), None, indexer_loss)
+    if self.indexer is None and shared_indices is None:
+      raise ValueError("a layer without its own indexer needs shared_indices from a full layer.")
+    chunk = self._query_chunk(T)
+    w_uk, w_uv = self._absorption()
+    k, v = self._mqa_keys(x, positions)
+    index_k = None if self.indexer is None else self.indexer.keys(x, positions)
+
+    def rows(xs):
+      """Output [B, t, D], indices, indexer loss and its counted rows of the query rows in xs."""
+      x, positions, q_seg, q_offset, indices = xs
+      t = x.shape[1]
+      q, c_q = self._mqa_queries(x, positions, w_uk)
+      loss = rows_counted = None
+      if self.indexer is not None:
+        index_q, index_w = self.indexer.queries(x, c_q, positions)
+        indices = ops.flash_topk(index_q, index_k, index_w, topk=cfg.index_topk, scale=self.indexer.score_scale,
+                                 q_offset=q_offset, segment_ids=(q_seg, segment_ids),
+                                 backend=backend("flash_topk")).indices
       # v is k's latent prefix: passing None lets the kernels gather and scatter one row for both.
       out, lse = ops.sparse_attention(q, k, None, indices, scale=scale, value_dim=v.shape[-1],
                                       backend=backend("sparse_attention"))
-      if index_inputs is not None:
-        indexer_loss = ops.indexer_loss(*index_inputs, q, k, lse, indices, attn_scale=scale,
-                                        index_scale=self.indexer.score_scale,
-                                        grad_in_forward=cfg.indexer_loss_grad_in_forward,
-                                        backend=backend("indexer_loss"))
-    heads = jnp.einsum("bthl,lhv->bthv", out, w_uv.astype(out.dtype))  # [B, T, H, v_head_dim]
-    return AttentionOutput(self.o_proj(heads.reshape(B, T, -1)), indices, indexer_loss)
+      if self.indexer is not None:
+        loss, rows_counted = ops.indexer_loss(index_q, index_k, index_w, q, k, lse, indices, attn_scale=scale,
+                                              index_scale=self.indexer.score_scale,
+                                              grad_in_forward=cfg.indexer_loss_grad_in_forward,
+                                              with_row_count=True, backend=backend("indexer_loss"))
+      heads = jnp.einsum("bthl,lhv->bthv", out, w_uv.astype(out.dtype))  # [B, t, H, v_head_dim]
+      return self.o_proj(heads.reshape(B, t, -1)), indices, loss, rows_counted
+
+    if not chunk:
+      out, indices, indexer_loss, _ = rows((x, positions, segment_ids, 0, shared_indices))
+      return AttentionOutput(out, indices, indexer_loss)
+    split = lambda a: None if a is None else st.to_blocks(a, 1, chunk)  # [T // chunk, B, chunk, ...]
+    starts = jnp.arange(T // chunk, dtype=jnp.int32) * chunk
+    # Without remat, lax.map would keep every chunk's residuals, the [B, T, H, ...] arrays chunking
+    # avoids; scan already keeps iterations apart, so CSE prevention is not needed.
+    out, indices, losses, rows_counted = jax.lax.map(
+        remat.remat(rows, cfg.remat_policy, prevent_cse=False),
+        (split(x), split(positions), split(segment_ids), starts, split(shared_indices)))
+    indexer_loss = None
+    if losses is not None:  # the mean over all counted rows, from the chunks' means
+      n = rows_counted.sum()
+      indexer_loss = jnp.sum(losses * rows_counted.astype(losses.dtype)) / jnp.maximum(n, 1).astype(losses.dtype)
+    return AttentionOutput(st.from_blocks(out, 1, T), st.from_blocks(indices, 1, T), indexer_loss)

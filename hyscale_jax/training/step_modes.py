@@ -26,6 +26,8 @@ HOLISTIC: dict[str, dict] = {
     "fused_loss_grad": {"indexer_loss_grad_in_forward": True},
     # QSA's block indexer loss over 1024 query rows at a time, so its gathered keys fit at long T.
     "qsa_loss_chunk": {"qsa_loss_chunk": 1024},
+    # MLA attention over 64K query rows at a time, so its activations fit at 512K-1M (no-op at T <= 64K).
+    "query_chunk": {"attention_query_chunk": 65536},
 }
 _BASE = {
     "megatron_style": ({"flash_topk": "xla_baseline", "indexer_loss": "xla_baseline"}, {"remat_policy": "full"}),
@@ -51,7 +53,7 @@ def settings(mode: str) -> tuple[dict, dict]:
   else:
     raise ValueError(f"step_mode={mode!r} is not one of {STEP_MODES + ABLATIONS}.")
   ops, model = _BASE["+replay" if holistic else mode]
-  model = dict(model, indexer_loss_grad_in_forward=False, qsa_loss_chunk=0)
+  model = dict(model, indexer_loss_grad_in_forward=False, qsa_loss_chunk=0, attention_query_chunk=0)
   for name in holistic:
     model.update(HOLISTIC[name])
   return dict(ops, sparse_attention="auto"), model

@@ -78,8 +78,9 @@ def indexer_loss(
     q_offset: int | Int[Array, ""] = 0,
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
     grad_in_forward: bool = False,
+    with_row_count: bool = False,
     backend: Backend = "auto",
-) -> Float[Array, ""]:
+) -> Float[Array, ""] | tuple[Float[Array, ""], Int[Array, ""]]:
   """Mean over query rows of KL(p_t || softmax(I_t)) on each row's support (DeepSeek-V3.2 §2.1).
 
   Student: `I[t, s] = index_scale * sum_j w[t,j] relu(<index_q[t,j], index_k[s]>)` (the
@@ -115,11 +116,13 @@ def indexer_loss(
     grad_in_forward: sparse form: compute the gradient in the forward pass and save it (tagged
       `remat.INDEXER_GRADS`), so neither the backward pass nor the `"selection_replay"`
       rematerialization reruns the teacher. Same value and gradient; ignored by `xla_baseline`.
+    with_row_count: also return how many rows the mean counted (over all shards under a context
+      mesh), so that means over disjoint row sets combine as `sum_i n_i * mean_i / max(sum_i n_i, 1)`.
     backend: "auto", "pallas" (sparse form only: the teacher from a Pallas kernel), "reference", or
       "xla_baseline" (sparse form only: the Megatron-style backward that rescores every key).
 
   Returns:
-    f32[] the loss.
+    f32[] the loss, or (loss, i32[] rows counted) with `with_row_count`.
 
   Raises:
     ValueError: on mismatched shapes, bad dtypes, or `attn_lse=None` in the sparse form.
@@ -145,14 +148,15 @@ def indexer_loss(
   local, full = (index_q, index_weights, attn_q, attn_lse, indices, q_seg), (index_k, attn_k, kv_seg)
   mesh = _context.context_mesh()
   if mesh is None:
-    return loss(0, local, full, (q_offset,))
+    return loss(0, local, full, (q_offset,), with_row_count=with_row_count)
   axes = _context.token_axes(mesh)
 
   def shard_loss(row_offset, local, full, replicated):
     # The global mean is sum_i n_i * mean_i / sum_i n_i over the shards' counted rows n_i.
     mean, rows = loss(row_offset, local, full, replicated, with_row_count=True)
     total = jax.lax.psum(rows, axes)
-    return jax.lax.psum(mean * rows.astype(mean.dtype), axes) / jnp.maximum(total, 1).astype(mean.dtype)
+    mean = jax.lax.psum(mean * rows.astype(mean.dtype), axes) / jnp.maximum(total, 1).astype(mean.dtype)
+    return (mean, total) if with_row_count else mean
 
   return _context.run_sequence_sharded(shard_loss, mesh, sharded=local, gathered=full,
                                        replicated=(jnp.asarray(q_offset, jnp.int32),), n_out=1,

@@ -1,0 +1,90 @@
+"""MLA query chunking (`model.attention_query_chunk`): the same layer, one query chunk at a time."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import glm5_1
+from hyscale_jax import models, remat
+from hyscale_jax.layers.mla import MLASparseAttention
+from hyscale_jax.model_config import ModelConfig
+
+_TINY = dataclasses.replace(ModelConfig.from_config(glm5_1.get_config("tiny").model), index_topk=8)
+B, T, CHUNK = 2, 64, 16
+
+
+def _inputs():
+  """x, and positions / segment ids of two packed documents per row (lengths 23 + 41, 64)."""
+  x = jax.random.normal(jax.random.key(0), (B, T, _TINY.d_model))
+  starts = jnp.asarray([[0] * 23 + [23] * 41, [0] * T])
+  positions = jnp.arange(T)[None] - starts
+  segment_ids = (positions == 0).cumsum(-1).astype(jnp.int32)
+  return x, positions, segment_ids
+
+
+def _layer_step(chunk, policy, has_indexer=True, shared_indices=None):
+  """(AttentionOutput, grads w.r.t. (params, x)) of `mean(out^2) + indexer_loss`."""
+  cfg = dataclasses.replace(_TINY, attention_query_chunk=chunk, remat_policy=policy)
+  graphdef, params = nnx.split(MLASparseAttention(cfg, has_indexer=has_indexer, rngs=nnx.Rngs(0)))
+  x, positions, segment_ids = _inputs()
+
+  def loss(params, x):
+    out = nnx.merge(graphdef, params)(x, positions, segment_ids, shared_indices=shared_indices)
+    total = jnp.mean(out.out**2) + (0.0 if out.indexer_loss is None else out.indexer_loss)
+    return total, out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+  return out, grads
+
+
+def _assert_same(got, want):
+  (out, grads), (want_out, want_grads) = got, want
+  np.testing.assert_array_equal(out.indices, want_out.indices)
+  np.testing.assert_allclose(out.out, want_out.out, rtol=1e-5, atol=1e-6)
+  if want_out.indexer_loss is not None:
+    np.testing.assert_allclose(out.indexer_loss, want_out.indexer_loss, rtol=1e-5)
+  for (path, g), (_, w) in zip(*(jax.tree_util.tree_leaves_with_path(t) for t in (grads, want_grads))):
+    scale = max(float(jnp.abs(w).max()), 1e-30)
+    np.testing.assert_allclose(g / scale, w / scale, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("policy", ["selection_replay", "full"])
+def test_chunked_layer_matches_the_whole_layer(policy):
+  want = _layer_step(0, policy)
+  assert (np.asarray(want[0].indices) >= 0).sum(-1).min() >= 1 and want[0].indexer_loss > 0
+  _assert_same(_layer_step(CHUNK, policy), want)
+
+
+def test_index_share_layer_slices_the_shared_selection():
+  shared = _layer_step(0, "none")[0].indices
+  want = _layer_step(0, "selection_replay", has_indexer=False, shared_indices=shared)
+  _assert_same(_layer_step(CHUNK, "selection_replay", has_indexer=False, shared_indices=shared), want)
+
+
+def test_a_model_step_selects_once_per_indexer_layer_under_replay():
+  cfg = dataclasses.replace(_TINY, n_layers=2, attention_query_chunk=CHUNK)
+  graphdef, params, rest = nnx.split(models.build(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+  tokens = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size)
+  loss = lambda p: nnx.merge(graphdef, p, rest)(tokens).aux["indexer_loss"]
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
+  assert remat.count_named_equations(jaxpr, "flash_topk") == cfg.n_layers
+
+
+def test_a_length_not_a_multiple_of_the_chunk_is_named():
+  x, positions, segment_ids = _inputs()
+  layer = MLASparseAttention(dataclasses.replace(_TINY, attention_query_chunk=24), has_indexer=True,
+                             rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"attention_query_chunk=24 .* T=64"):
+    layer(x, positions, segment_ids)
+  # A sequence no longer than one chunk runs whole.
+  assert layer(x[:, :20], positions[:, :20], segment_ids[:, :20]).out.shape == (B, 20, _TINY.d_model)
+
+
+@pytest.mark.parametrize("value", [-1, 2.5])
+def test_bad_chunk_config_is_rejected(value):
+  with pytest.raises(ValueError, match="model.attention_query_chunk"):
+    dataclasses.replace(_TINY, attention_query_chunk=value)
