@@ -118,7 +118,10 @@ def step_fn(kind: str, mode: str, cfg: ModelConfig, graphdef):
     out, aux = nnx.merge(graphdef, state)(x, backends)
     return jnp.mean(jnp.square(out.astype(jnp.float32))) + aux
 
-  return jax.jit(jax.value_and_grad(remat.remat(block_loss, cfg.remat_policy), argnums=(0, 1)))
+  def step_loss(state, x):  # the policy keeps the attention output unless the layer chunks its queries
+    return remat.remat(block_loss, cfg.remat_policy, save_attention=not cfg.query_chunk(x.shape[1]))(state, x)
+
+  return jax.jit(jax.value_and_grad(step_loss, argnums=(0, 1)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,13 +234,14 @@ def loss_variant(kind, mode):
           model["qsa_loss_chunk"] if "qsa_loss_chunk" in uses else 0)
 
 
-def breakdown(kind, mode, times, step_s):
+def breakdown(kind, mode, cfg, T, times, step_s):
   """{part: seconds per step} and {part: executions per step} of `mode` from the parts' times."""
   ops_, model = step_modes.settings(mode)
   replay = model["remat_policy"] == "selection_replay"
+  saves_attention = replay and not cfg.query_chunk(T)  # a query-chunked layer reruns its attention forward
   variant = loss_variant(kind, mode)
   fused = variant[1] and replay
-  counts = {"indexer_projections": 1, "selection": 1 if replay else 2, "attention_fwd": 1 if replay else 2,
+  counts = {"indexer_projections": 1, "selection": 1 if replay else 2, "attention_fwd": 1 if saves_attention else 2,
             "attention_bwd": 1, "indexer_loss": 1 if fused else 2}
   parts = {
       "indexer_projections": times["indexer_proj_fwd_bwd"] + times["indexer_proj_fwd"],
@@ -296,13 +300,13 @@ class Results:
         json.dump(self.data, f, indent=1)
 
 
-def ablation_applies(kind: str, T: int, mode: str) -> bool:
+def ablation_applies(kind: str, T: int, mode: str, variant: str) -> bool:
   """False for a `+replay+<opt>` line whose optimization this layer never uses at this T (a duplicate)."""
   if mode not in step_modes.ABLATIONS:
     return True
-  overrides = step_modes.HOLISTIC[mode.removeprefix("+replay+")]
-  return any(field in _LAYER_USES[kind] and not (field == "attention_query_chunk" and T <= value)
-             for field, value in overrides.items())
+  cfg = layer_config(kind, variant, mode)
+  return any(field in _LAYER_USES[kind] and (field != "attention_query_chunk" or cfg.query_chunk(T))
+             for field in step_modes.HOLISTIC[mode.removeprefix("+replay+")])
 
 
 # The holistic config fields each layer kind reads.
@@ -366,7 +370,7 @@ def run_layer(kind, T, modes, args, programs, results, tolerance):
         _log(f"{kind} T={T}: timing the parts alone")
         times = part_times(kind, variant, x, modes, args, programs)
       if times:
-        row["parts_s"], row["counts"] = breakdown(kind, mode, times, row["step_s"])
+        row["parts_s"], row["counts"] = breakdown(kind, mode, cfg, T, times, row["step_s"])
     row["parts_alone_s"] = times
     _log(_describe(row))
     results.add(row)
@@ -425,7 +429,8 @@ def run(args):
        " (only selection, recomputation and the indexer loss's backward differ)")
   results = Results(args.out, args.append)
   tolerance = 0.05  # bf16 steps; different near-tie selections move a few rows
-  pairs = [(kind, T, [m for m in modes if ablation_applies(kind, T, m)]) for kind in args.layers for T in seqs]
+  variant = "tiny" if args.smoke else "full"
+  pairs = [(kind, T, [m for m in modes if ablation_applies(kind, T, m, variant)]) for kind in args.layers for T in seqs]
   programs = CompileAhead(args.compile_workers)
   try:
     for kind, T, layer_modes in pairs:

@@ -110,6 +110,24 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat_policy: str = "selection_replay"
 
+  def query_chunk(self, seq_len: int) -> int:
+    """Rows per MLA query chunk at length `seq_len`, or 0 when it runs unchunked (off, or T fits one).
+
+    When chunking is on for a length, the "selection_replay" policy saves only the selection: the
+    saved attention output ([B, T, H, kv_lora_rank], 67 GB at 1M for GLM-5.1) is what chunking is
+    there to avoid, so each chunk's attention forward reruns in the backward pass instead.
+
+    Raises:
+      ValueError: `seq_len` is above `attention_query_chunk` but not a multiple of it.
+    """
+    chunk = self.attention_query_chunk
+    if not chunk or seq_len <= chunk:
+      return 0
+    if seq_len % chunk:
+      raise ValueError(f"model.attention_query_chunk={chunk} must divide the sequence length T={seq_len} "
+                       "(or be >= T, or 0 for no chunking).")
+    return chunk
+
   def __post_init__(self):
     positive = ("vocab_size", "d_model", "n_layers", "n_heads", "q_lora_rank", "kv_lora_rank",
                 "qk_nope_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",

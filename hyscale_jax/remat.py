@@ -33,11 +33,12 @@ def tag(x, name: str):
   return jax.tree.map(lambda a: checkpoint_name(a, name), x)
 
 
-def checkpoint_policy(policy: RematPolicy):
+def checkpoint_policy(policy: RematPolicy, *, save_attention: bool = True):
   """The `jax.checkpoint` policy for a policy name, or None for `"none"` (no rematerialization).
 
   - `"selection_replay"`: save the selection, the attention's out/lse and (when present) the
-    indexer loss's forward-pass gradient; recompute the rest.
+    indexer loss's forward-pass gradient; recompute the rest. With `save_attention=False` the
+    attention's out/lse are recomputed too (one more attention forward, [B, T, H, Dv] less saved).
   - `"full"`: save nothing; the backward pass reruns selection (the Megatron-style baseline).
   - `"none"`: no remat; every residual is kept.
 
@@ -45,7 +46,8 @@ def checkpoint_policy(policy: RematPolicy):
     ValueError: `policy` is not one of REMAT_POLICIES.
   """
   if policy == "selection_replay":
-    return jax.checkpoint_policies.save_only_these_names(SELECTION, ATTENTION_OUT, ATTENTION_LSE, INDEXER_GRADS)
+    attention = (ATTENTION_OUT, ATTENTION_LSE) if save_attention else ()
+    return jax.checkpoint_policies.save_only_these_names(SELECTION, *attention, INDEXER_GRADS)
   if policy == "full":
     return jax.checkpoint_policies.nothing_saveable
   if policy == "none":
@@ -53,9 +55,10 @@ def checkpoint_policy(policy: RematPolicy):
   raise ValueError(f"remat {policy=!r} is not one of {REMAT_POLICIES}.")
 
 
-def remat(fn: F, policy: RematPolicy = "selection_replay", *, prevent_cse: bool = True) -> F:
+def remat(fn: F, policy: RematPolicy = "selection_replay", *, prevent_cse: bool = True,
+          save_attention: bool = True) -> F:
   """Wraps `fn` in `jax.checkpoint` with the named policy (returns `fn` itself for `"none"`)."""
-  jax_policy = checkpoint_policy(policy)
+  jax_policy = checkpoint_policy(policy, save_attention=save_attention)
   if policy == "none":
     return fn
   return jax.checkpoint(fn, policy=jax_policy, prevent_cse=prevent_cse)

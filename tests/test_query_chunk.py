@@ -88,3 +88,22 @@ def test_a_length_not_a_multiple_of_the_chunk_is_named():
 def test_bad_chunk_config_is_rejected(value):
   with pytest.raises(ValueError, match="model.attention_query_chunk"):
     dataclasses.replace(_TINY, attention_query_chunk=value)
+
+
+@pytest.mark.parametrize("chunk", [0, CHUNK])
+def test_a_chunked_model_saves_the_selection_but_not_the_attention_output(chunk, capsys):
+  """Under "selection_replay" a chunked layer keeps only its selection (the output is what chunking avoids)."""
+  cfg = dataclasses.replace(_TINY, n_layers=1, attention_query_chunk=chunk)
+  graphdef, params, rest = nnx.split(models.build(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+  tokens = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size)
+
+  def loss(p):
+    out = nnx.merge(graphdef, p, rest)(tokens)
+    return jnp.mean(out.logits**2) + out.aux["indexer_loss"]
+
+  jax.ad_checkpoint.print_saved_residuals(loss, params)
+  saved = [line.split("]")[0] for line in capsys.readouterr().out.splitlines() if "[" in line]  # "dtype[shape"
+  attention_out = [s for s in saved if s.endswith(f",{cfg.n_heads},{cfg.kv_lora_rank}")]  # [..., T, H, L]
+  selection = [s for s in saved if s.startswith("i32") and s.endswith(f",{cfg.index_topk}")]
+  assert selection, saved
+  assert bool(attention_out) == (chunk == 0), saved

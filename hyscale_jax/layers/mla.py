@@ -110,16 +110,6 @@ class MLASparseAttention(nnx.Module):
     k, v = self._mqa_keys(x, positions)
     return q, k, v, c_q, w_uv
 
-  def _query_chunk(self, T: int) -> int:
-    """Rows per query chunk for a length-T sequence, or 0 when T fits one chunk (or chunking is off)."""
-    chunk = self.cfg.attention_query_chunk
-    if not chunk or T <= chunk:
-      return 0
-    if T % chunk:
-      raise ValueError(f"model.attention_query_chunk={chunk} must divide the sequence length T={T} "
-                       "(or be >= T, or 0 for no chunking).")
-    return chunk
-
   def __call__(
       self,
       x: Float[Array, "B T D"],
@@ -168,7 +158,7 @@ class MLASparseAttention(nnx.Module):
       return AttentionOutput(self.o_proj(heads.reshape(B, T, -1)), None, indexer_loss)
     if self.indexer is None and shared_indices is None:
       raise ValueError("a layer without its own indexer needs shared_indices from a full layer.")
-    chunk = self._query_chunk(T)
+    chunk = cfg.query_chunk(T)
     w_uk, w_uv = self._absorption()
     k, v = self._mqa_keys(x, positions)
     index_k = None if self.indexer is None else self.indexer.keys(x, positions)
@@ -201,9 +191,10 @@ class MLASparseAttention(nnx.Module):
     split = lambda a: None if a is None else st.to_blocks(a, 1, chunk)  # [T // chunk, B, chunk, ...]
     starts = jnp.arange(T // chunk, dtype=jnp.int32) * chunk
     # Without remat, lax.map would keep every chunk's residuals, the [B, T, H, ...] arrays chunking
-    # avoids; scan already keeps iterations apart, so CSE prevention is not needed.
+    # avoids; scan already keeps iterations apart, so CSE prevention is not needed. Each chunk keeps
+    # only its selection (see ModelConfig.query_chunk; the enclosing layer's policy must agree).
     out, indices, losses, rows_counted = jax.lax.map(
-        remat.remat(rows, cfg.remat_policy, prevent_cse=False),
+        remat.remat(rows, cfg.remat_policy, prevent_cse=False, save_attention=False),
         (split(x), split(positions), split(segment_ids), starts, split(shared_indices)))
     indexer_loss = None
     if losses is not None:  # the mean over all counted rows, from the chunks' means

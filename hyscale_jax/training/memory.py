@@ -149,8 +149,8 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
   if cfg.remat_policy == "none":
     saved = sum(per_layer)
   elif cfg.remat_policy == "selection_replay":
-    saved = sum(cfg.n_heads * (out_width * a_bytes + 4) + (cfg.index_topk * 4 if _has_indexer(cfg, i) else 0)
-                for i in range(cfg.n_layers))
+    attention = 0 if cfg.query_chunk(seq_len) else cfg.n_heads * (out_width * a_bytes + 4)  # out, lse
+    saved = sum(attention + (cfg.index_topk * 4 if _has_indexer(cfg, i) else 0) for i in range(cfg.n_layers))
   else:
     saved = 0
   components = {
