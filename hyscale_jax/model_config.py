@@ -111,7 +111,7 @@ class ModelConfig:
   remat_policy: str = "selection_replay"
 
   def query_chunk(self, seq_len: int) -> int:
-    """Rows per MLA query chunk at length `seq_len`, or 0 when it runs unchunked (off, or T fits one).
+    """Rows per MLA query chunk at length `seq_len`, or 0 when it runs unchunked (off, T fits one, or no MLA).
 
     When chunking is on for a length, the "selection_replay" policy saves only the selection: the
     saved attention output ([B, T, H, kv_lora_rank], 67 GB at 1M for GLM-5.1) is what chunking is
@@ -121,7 +121,7 @@ class ModelConfig:
       ValueError: `seq_len` is above `attention_query_chunk` but not a multiple of it.
     """
     chunk = self.attention_query_chunk
-    if not chunk or seq_len <= chunk:
+    if not chunk or seq_len <= chunk or self.architecture != "glm_moe_dsa":  # only MLA layers chunk
       return 0
     if seq_len % chunk:
       raise ValueError(f"model.attention_query_chunk={chunk} must divide the sequence length T={seq_len} "

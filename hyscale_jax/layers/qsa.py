@@ -118,7 +118,10 @@ def block_indexer_loss(
     if not query_chunk or query_chunk >= T:
       return _mean(kl(index_q, block_keys, attn_q, attn_k, attn_lse, blocks, q_seg, q_seg))
     split, _ = st.row_chunks(query_chunk, T)
-    chunk_kl = jax.checkpoint(lambda xs: kl(xs[0], block_keys, xs[1], attn_k, xs[2], xs[3], xs[4], q_seg))
+    # Every chunk adds to block_keys' gradient: sum the chunks' parts in f32, not in a bf16 carry.
+    keys_f32, keys_dtype = block_keys.astype(jnp.float32), block_keys.dtype
+    chunk_kl = jax.checkpoint(lambda xs: kl(xs[0], keys_f32.astype(keys_dtype), xs[1], attn_k, xs[2], xs[3], xs[4],
+                                            q_seg))
     # Padded rows select nothing (blocks -1), so they count in neither sum.
     sums, rows = jax.lax.map(chunk_kl, (split(index_q), split(attn_q), split(attn_lse), split(blocks, -1),
                                         split(q_seg)))
