@@ -360,6 +360,7 @@ def run_layer(kind, T, modes, args, programs, results, tolerance):
       if mode == modes[0]:
         base_s = row["step_s"]
       row["speedup"] = base_s / row["step_s"] if base_s else None
+      row["speedup_over"] = modes[0]
     except Exception as err:  # noqa: BLE001  (XlaRuntimeError and friends: record OOM, re-raise the rest)
       if not is_oom(err):
         raise
@@ -443,7 +444,13 @@ def run(args):
   print_table(results.data["rows"])
 
 
+def latest_rows(rows):
+  """One row per (layer, T, mode): the last one written (an appended rerun supersedes the earlier row)."""
+  return list({(r["layer"], r["T"], r["mode"]): r for r in rows}.values())
+
+
 def print_table(rows):
+  rows = latest_rows(rows)
   print("\n| layer | T | mode | step ms | speedup | peak GB | check | breakdown ms |")
   print("|---|---|---|---|---|---|---|---|")
   for r in rows:
@@ -470,13 +477,14 @@ def plot(args):
 
   with open(args.out) as f:
     data = json.load(f)
-  rows = [r for r in data["rows"] if isinstance(r["step_s"], float)]
+  rows = [r for r in latest_rows(data["rows"]) if isinstance(r["step_s"], float)]
   os.makedirs(args.plots, exist_ok=True)
   written = []
   fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
   for ax, kind in zip(axes, LAYERS):
     for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"] != "megatron_style"):
-      pts = sorted((r["T"], r["speedup"]) for r in rows if r["layer"] == kind and r["mode"] == mode and r["speedup"])
+      pts = sorted((r["T"], r["speedup"]) for r in rows if r["layer"] == kind and r["mode"] == mode and r["speedup"]
+                   and r.get("speedup_over", "megatron_style") == "megatron_style")
       if pts:
         ax.plot(*zip(*pts), marker="o", label=mode)
     ax.set_xscale("log", base=2)
@@ -499,6 +507,9 @@ def plot(args):
       values = np.array([max(r["parts_s"][part], 0.0) * 1e3 for r in at])
       ax.bar([r["mode"] for r in at], values, bottom=bottom, label=part)
       bottom += values
+    # The parts are timed alone; where they sum past the step ("other" < 0) the tick shows the step.
+    ax.scatter([r["mode"] for r in at], [r["step_s"] * 1e3 for r in at], marker="_", s=900, color="black",
+               zorder=3, label="whole step")
     ax.set_title(f"{kind} at T={T}")
     ax.set_ylabel("ms per step")
     ax.tick_params(axis="x", rotation=30, labelsize=8)
@@ -513,7 +524,8 @@ def plot(args):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("command", nargs="?", default="run", choices=("run", "plot"))
+  parser.add_argument("command", nargs="?", default="run", choices=("run", "plot", "table"),
+                      help="run the modes; plot or table: from --out's rows")
   parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
   parser.add_argument("--seq", nargs="+", type=int, default=list(DEFAULT_SEQ))
   parser.add_argument("--modes", nargs="+", default=list(step_modes.STEP_MODES),
@@ -531,6 +543,9 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if any(t < 1 for t in args.seq) or args.reps < 1:
     parser.error(f"--seq {args.seq} and --reps {args.reps} must be positive")
+  if args.command == "table":
+    with open(args.out) as f:
+      return print_table(json.load(f)["rows"])
   if args.command == "plot":
     if args.smoke:
       args.breakdown_seq = 128
