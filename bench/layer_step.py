@@ -345,7 +345,9 @@ def run_layer(kind, T, modes, args, programs, results, tolerance):
       state = nnx.split(Block(kind, cfg))[1]  # the same weights in every mode (fixed seeds)
       if reference is not None:
         poison(reference)
+      t0 = time.perf_counter()
       out = jax.block_until_ready(compiled(state, x))  # the warm-up, checked below
+      first_s = time.perf_counter() - t0
       if reference is None:
         reference = out
       else:
@@ -355,7 +357,12 @@ def run_layer(kind, T, modes, args, programs, results, tolerance):
                                and row["loss_rel_err"] < tolerance)
       if out is not reference:
         del out
-      row["step_s"] = timed(compiled, state, x, reps=args.reps, warmup=False)
+      # --reps 0 (steps of a minute at 1M): the step time is the checked first call's, no warm-up.
+      row["step_s"] = timed(compiled, state, x, reps=args.reps, warmup=False) if args.reps else first_s
+      row["reps"] = args.reps
+      stats = jax.devices()[0].memory_stats() or {}  # None on CPU
+      if "peak_bytes_in_use" in stats:  # the process's peak so far: this step's when it is the largest yet
+        row["process_peak_gb"] = stats["peak_bytes_in_use"] / 1e9
       del compiled, state
       if mode == modes[0]:
         base_s = row["step_s"]
@@ -532,7 +539,7 @@ def main(argv=None):
                       help=f"of {step_modes.STEP_MODES + step_modes.ABLATIONS}; the first is the speedup base")
   parser.add_argument("--ablation", action="store_true", help="add one +replay+<opt> mode per holistic optimization")
   parser.add_argument("--no-breakdown", action="store_true", help="skip timing the parts alone")
-  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--reps", type=int, default=3, help="timed steps after the warm-up (0: time the warm-up)")
   parser.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
                       help="threads compiling ahead of the device work")
   parser.add_argument("--out", default="bench/results/layer_step.json")
@@ -541,8 +548,9 @@ def main(argv=None):
   parser.add_argument("--breakdown-seq", type=int, default=131072, help="T of the stacked breakdown plot")
   parser.add_argument("--smoke", action="store_true", help="tiny configs at T=128 on any device, in seconds")
   args = parser.parse_args(argv)
-  if any(t < 1 for t in args.seq) or args.reps < 1:
-    parser.error(f"--seq {args.seq} and --reps {args.reps} must be positive")
+  if any(t < 1 for t in args.seq) or args.reps < 0 or (args.reps == 0 and not args.no_breakdown):
+    parser.error(f"--seq {args.seq} must be positive and --reps {args.reps} >= 0 (0: the first call's time, "
+                 "with --no-breakdown)")
   if args.command == "table":
     with open(args.out) as f:
       return print_table(json.load(f)["rows"])
