@@ -21,7 +21,6 @@ kernel forgot to write most likely reads back as NaN rather than as a stale corr
 """
 
 import argparse
-import concurrent.futures
 import dataclasses
 import faulthandler
 import functools
@@ -48,7 +47,7 @@ from pallas_kernels.sparse_attention import (  # noqa: E402
     sparse_attention_backward_pallas,
     sparse_attention_forward_pallas,
 )
-from timing import timed  # noqa: E402
+from timing import CompileAhead, timed  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,25 +210,26 @@ def row_programs(name, shape: Shape, T, skip_reference, fwd_config=None, bwd_con
 
 
 def compile_all(programs, workers):
-  """Compiles every (row, key) program on `workers` threads (XLA and Triton compile off the GIL)."""
+  """Compiles every (row, key) program on `workers` threads; {(row, key): executable or its error}."""
   jobs = [(row, key, fn, programs[row][1][key]) for row in programs for key, fn in programs[row][0].items()]
   stamp(f"compiling {len(jobs)} programs on {workers} threads")
-  done = {}
-
-  def compile_one(job):
-    row, key, fn, args = job
-    t0 = time.perf_counter()
+  ahead, done, t0 = CompileAhead(workers), {}, time.perf_counter()
+  for row, key, fn, args in jobs:
     try:
-      compiled = fn.lower(*args).compile()
+      ahead.submit((row, key), fn, *args)
+    except Exception as e:  # noqa: BLE001 - a program that does not trace is reported like one that does not compile
+      done[row, key] = e
+  for row, key, _, _ in jobs:
+    try:
+      done[row, key] = done[row, key] if (row, key) in done else ahead.get((row, key))
+      if isinstance(done[row, key], Exception):
+        raise done[row, key]
+      failed = ""
     except Exception as e:  # noqa: BLE001 - reported in the row, the table goes on
-      compiled = e
-    return row, key, compiled, time.perf_counter() - t0
-
-  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    for row, key, compiled, seconds in pool.map(compile_one, jobs):
-      done[row, key] = compiled
-      failed = f" FAILED: {str(compiled).splitlines()[0][:200]}" if isinstance(compiled, Exception) else ""
-      stamp(f"compiled {row} {key} in {seconds:.0f} s{failed}")
+      done[row, key] = e
+      failed = f" FAILED: {str(e).splitlines()[0][:200]}"
+    stamp(f"compiled {row} {key} by {time.perf_counter() - t0:.0f} s{failed}")
+  ahead.shutdown()
   return done
 
 
