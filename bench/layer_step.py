@@ -33,7 +33,8 @@ A mode that runs out of memory records "OOM" and the run goes on. Rows are writt
 they finish, so a killed run keeps them.
 
 Budget (one H200, 10-minute calls): every program of the sweep is traced up front and compiled on
-`--compile-workers` threads while earlier rows run (at real dims a compile takes 20-130 s). Measured:
+`--compile-workers` threads before the first row runs (at real dims a compile takes 20-130 s; XLA
+autotunes on the device while compiling, so no row is timed during a compile). Measured:
 dsa 16K-128K with `--ablation --reps 2` in 7.2 min (2 of them waiting for the first compiles); csa
 and qsa 16K, 64K, 128K together in 6.2 min. T >= 256K: `--modes hyscale --no-breakdown --reps 0`
 (the checked first call is timed; a DSA step takes 20 s at 512K). `megatron_style` past 128K takes
@@ -123,7 +124,7 @@ def step_fn(kind: str, mode: str, cfg: ModelConfig, graphdef):
     return jnp.mean(jnp.square(out.astype(jnp.float32))) + aux
 
   def step_loss(state, x):  # the policy keeps the attention output unless the layer chunks its queries
-    return remat.remat(block_loss, cfg.remat_policy, save_attention=not cfg.query_chunk(x.shape[1]))(state, x)
+    return remat.remat(block_loss, cfg.remat_policy, save_attention=cfg.saves_attention(x.shape[1]))(state, x)
 
   return jax.jit(jax.value_and_grad(step_loss, argnums=(0, 1)))
 
@@ -225,7 +226,8 @@ def run_parts(kind, block, x, modes, call):
   for variant in sorted({loss_variant(kind, m) for m in modes}):
     backend, fused, chunk = variant
     vcfg = dataclasses.replace(cfg, indexer_loss_grad_in_forward=fused, qsa_loss_chunk=chunk)
-    loss = lambda iq, ik, iw, d, sel, lse: indexer_loss(kind, vcfg, a, d, (iq, ik, iw), sel, lse, backend)
+    loss = lambda iq, ik, iw, d, sel, lse, vcfg=vcfg, backend=backend: indexer_loss(
+        kind, vcfg, a, d, (iq, ik, iw), sel, lse, backend)
     call(f"loss_fwd{variant}", loss, *index, d, sel, lse)
     call(f"loss_fwd_bwd{variant}", jax.grad(loss, argnums=(0, 1)), *index, d, sel, lse)
 
@@ -242,7 +244,7 @@ def breakdown(kind, mode, cfg, T, times, step_s):
   """{part: seconds per step} and {part: executions per step} of `mode` from the parts' times."""
   ops_, model = step_modes.settings(mode)
   replay = model["remat_policy"] == "selection_replay"
-  saves_attention = replay and not cfg.query_chunk(T)  # a query-chunked layer reruns its attention forward
+  saves_attention = replay and cfg.saves_attention(T)  # a query-chunked layer reruns its attention forward
   variant = loss_variant(kind, mode)
   fused = variant[1] and replay
   counts = {"indexer_projections": 1, "selection": 1 if replay else 2, "attention_fwd": 1 if saves_attention else 2,
@@ -448,6 +450,9 @@ def run(args):
     for kind, T, layer_modes in pairs:
       plan_layer(kind, T, layer_modes, args, programs)
     _log(f"traced {len(programs)} programs; compiling on {args.compile_workers} threads")
+    # XLA autotunes on the device while it compiles: no timing until every compile is done.
+    programs.wait_all()
+    _log("compiled")
     for kind, T, layer_modes in pairs:
       run_layer(kind, T, layer_modes, args, programs, results, tolerance)
   finally:

@@ -34,9 +34,14 @@ class CompileAhead:
     self._futures = {}
 
   def submit(self, key, jitted, *args):
-    out = jitted.eval_shape(*args)
-    self._futures[key] = self._pool.submit(lambda: jitted.lower(*args).compile())
-    return out
+    traced = jitted.trace(*args)  # closures bind here; the worker only lowers and compiles this trace
+    self._futures[key] = self._pool.submit(lambda: traced.lower().compile())
+    return traced.out_info
+
+  def wait_all(self):
+    """Blocks until every submitted compile has finished (XLA autotunes on the device while compiling)."""
+    for future in list(self._futures.values()):
+      future.exception()
 
   def __len__(self):
     return len(self._futures)

@@ -100,8 +100,8 @@ class ModelConfig:
   # QSA's block indexer loss runs over this many query rows at a time (0: all rows at once).
   qsa_loss_chunk: int = 0
   # MLA (DSA) attention over this many query rows at a time when T is longer (T must then be a
-  # multiple): the keys are computed once, and the absorbed queries, the attention output and
-  # their gradients exist one chunk at a time (0: all rows at once).
+  # multiple): the keys are computed once, and under remat the absorbed queries, the attention
+  # output and their gradients exist one chunk at a time (0: all rows at once).
   attention_query_chunk: int = 0
   # QSA indexer q/k norms zero-centred (weight applied as 1 + w), as transformers' qwen4_exp has them.
   indexer_norm_zero_centered: bool = False
@@ -110,12 +110,22 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat_policy: str = "selection_replay"
 
+  def saves_attention(self, seq_len: int) -> bool:
+    """Whether "selection_replay" saves the attention's out/lse at this length (not when MLA chunks).
+
+    A chunked layer's saved attention output ([B, T, H, kv_lora_rank], 67 GB at 1M for GLM-5.1) is
+    what chunking is there to avoid, so each chunk keeps its selection (and the indexer loss's
+    gradient, when computed in the forward pass) and reruns its attention forward in the backward
+    pass. Every remat that encloses the layer must agree: an outer policy saves names from inside.
+    A length the chunk does not divide counts as unchunked here (the layer itself raises).
+    """
+    try:
+      return not self.query_chunk(seq_len)
+    except ValueError:
+      return True
+
   def query_chunk(self, seq_len: int) -> int:
     """Rows per MLA query chunk at length `seq_len`, or 0 when it runs unchunked (off, T fits one, or no MLA).
-
-    When chunking is on for a length, the "selection_replay" policy saves only the selection: the
-    saved attention output ([B, T, H, kv_lora_rank], 67 GB at 1M for GLM-5.1) is what chunking is
-    there to avoid, so each chunk's attention forward reruns in the backward pass instead.
 
     Raises:
       ValueError: `seq_len` is above `attention_query_chunk` but not a multiple of it.

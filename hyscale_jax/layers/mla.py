@@ -125,8 +125,9 @@ class MLASparseAttention(nnx.Module):
     With `cfg.attention_query_chunk` > 0 and T above it, the sparse path runs over query chunks of
     that many rows (T must be a multiple): the keys (k, the indexer's keys) are computed once for
     all T, and each chunk computes its queries, selection, attention, indexer loss and output
-    projection under `remat.remat(..., cfg.remat_policy)`, so no [B, T, H, ...] query-side array
-    exists at once. Queries are independent given the keys, so the result is the same.
+    projection under `remat.remat(..., cfg.remat_policy)`, so (with a remat policy other than
+    "none") no [B, T, H, ...] query-side array exists at once. Queries are independent given the
+    keys, so the result is the same.
 
     Args:
       x: [B, T, D] the normalised block input.

@@ -155,7 +155,7 @@ class Decoder(nnx.Module):
       return layer(x, positions, segment_ids, dense=dense, shared_indices=shared_indices, backends=backends)
 
     if policy != "none":
-      jax_policy = remat.checkpoint_policy(policy, save_attention=not self.cfg.query_chunk(T))
+      jax_policy = remat.checkpoint_policy(policy, save_attention=dense or self.cfg.saves_attention(T))
       run_layer = jax.checkpoint(run_layer, policy=jax_policy, static_argnums=0)
     for layer in self.layers:
       # Between layers the activations are split over batch and sequence, whole in D: FSDP gathers

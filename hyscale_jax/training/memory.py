@@ -4,10 +4,12 @@ The estimate adds, per device:
 - parameters, gradients and the two AdamW moments (param dtype), divided over `param_shards`;
 - what the per-layer `jax.checkpoint` keeps for the backward pass: each layer's input, and under
   `"selection_replay"` the selection (i32, layers with an indexer) and the attention's out/lse of
-  every layer; under `"none"` every layer's intermediates;
+  every layer (not when MLA query chunking is on at this length); under `"none"` every layer's
+  intermediates;
 - the f32 logits and their gradient;
 - the largest transient of one layer: its intermediates while its backward runs (the recomputed
-  forward and their gradients), or the all-gathered key rows under context parallelism;
+  forward and their gradients), or the all-gathered key rows under context parallelism (counted
+  at full T even when MLA query chunking would hold them one chunk at a time: an upper bound);
 - the MoE's grouped matmuls as XLA runs them off TPU: `jax.lax.ragged_dot` is expanded into a dense
   dot over a group-masked, group-broadcast operand (XLA's `RaggedDotRewriter` on GPU, JAX's own
   `_ragged_dot_general_impl` on CPU), so the dispatched rows [R, D] (R = tokens x experts_per_token)
@@ -149,7 +151,7 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
   if cfg.remat_policy == "none":
     saved = sum(per_layer)
   elif cfg.remat_policy == "selection_replay":
-    attention = 0 if cfg.query_chunk(seq_len) else cfg.n_heads * (out_width * a_bytes + 4)  # out, lse
+    attention = cfg.n_heads * (out_width * a_bytes + 4) if cfg.saves_attention(seq_len) else 0  # out, lse
     saved = sum(attention + (cfg.index_topk * 4 if _has_indexer(cfg, i) else 0) for i in range(cfg.n_layers))
   else:
     saved = 0

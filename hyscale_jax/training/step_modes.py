@@ -26,7 +26,7 @@ HOLISTIC: dict[str, dict] = {
     "fused_loss_grad": {"indexer_loss_grad_in_forward": True},
     # QSA's block indexer loss over 1024 query rows at a time, so its gathered keys fit at long T.
     "qsa_loss_chunk": {"qsa_loss_chunk": 1024},
-    # MLA attention over 128K query rows at a time, so its activations fit at 256K-1M; each chunk
+    # MLA attention over 128K query rows at a time, for 256K-1M tokens (measured to 512K); each chunk
     # then reruns its attention forward in the backward pass (ModelConfig.query_chunk). No-op at T <= 128K.
     "query_chunk": {"attention_query_chunk": 131072},
 }
