@@ -80,6 +80,16 @@ def _log(*args):
   print(f"[{datetime.datetime.now().strftime('%H:%M:%S')}]", *args, flush=True)
 
 
+def config_variant(args) -> str:
+  """The config variant of a run: "tiny" under --smoke, else the real dims ("full")."""
+  return "tiny" if args.smoke else "full"
+
+
+def parts_config(kind: str, variant: str) -> ModelConfig:
+  """The config the parts are planned and timed with (both must build the same programs)."""
+  return layer_config(kind, variant, "+replay")
+
+
 def layer_config(kind: str, variant: str, mode: str) -> ModelConfig:
   """The layer's ModelConfig (bf16) with the mode's model overrides."""
   model = LAYERS[kind].get_config(variant).model.to_dict()
@@ -322,20 +332,20 @@ _LAYER_USES = {"dsa": {"indexer_loss_grad_in_forward", "attention_query_chunk"},
 
 def plan_layer(kind, T, modes, args, programs):
   """Submits every program of one (layer, T) to `programs`, which compiles them ahead of `run_layer`."""
-  variant = "tiny" if args.smoke else "full"
+  variant = config_variant(args)
   x = jax.ShapeDtypeStruct((1, T, layer_config(kind, variant, modes[0]).d_model), jnp.bfloat16)
   for mode in modes:
     cfg = layer_config(kind, variant, mode)
     graphdef, state = nnx.split(nnx.eval_shape(lambda cfg=cfg: Block(kind, cfg)))
     programs.submit((kind, T, f"step[{mode}]"), step_fn(kind, mode, cfg, graphdef), state, x)
   if not args.no_breakdown:
-    block = nnx.eval_shape(lambda: Block(kind, layer_config(kind, variant, "+replay")))
+    block = nnx.eval_shape(lambda: Block(kind, parts_config(kind, variant)))
     run_parts(kind, block, x, modes, lambda name, fn, *a: programs.submit((kind, T, name), jax.jit(fn), *a))
 
 
 def run_layer(kind, T, modes, args, programs, results, tolerance):
   """Checks and times every mode of one (layer, T) from its programs compiled ahead; returns the rows."""
-  variant = "tiny" if args.smoke else "full"
+  variant = config_variant(args)
   x = jax.random.normal(jax.random.key(T), (1, T, layer_config(kind, variant, modes[0]).d_model), jnp.bfloat16)
   reference, base_s, rows, times = None, None, [], None
   for mode in modes:
@@ -404,7 +414,7 @@ def part_times(kind, variant, x, modes, args, programs):
     return out
 
   try:
-    run_parts(kind, Block(kind, layer_config(kind, variant, "+replay")), x, modes, call)
+    run_parts(kind, Block(kind, parts_config(kind, variant)), x, modes, call)
   except Exception as err:  # noqa: BLE001
     if not is_oom(err):
       raise
@@ -443,7 +453,7 @@ def run(args):
        " (only selection, recomputation and the indexer loss's backward differ)")
   results = Results(args.out, args.append)
   tolerance = 0.05  # bf16 steps; different near-tie selections move a few rows
-  variant = "tiny" if args.smoke else "full"
+  variant = config_variant(args)
   pairs = [(kind, T, [m for m in modes if ablation_applies(kind, T, m, variant)]) for kind in args.layers for T in seqs]
   programs = CompileAhead(args.compile_workers)
   try:

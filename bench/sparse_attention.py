@@ -220,14 +220,13 @@ def compile_all(programs, workers):
     except Exception as e:  # noqa: BLE001 - a program that does not trace is reported like one that does not compile
       done[row, key] = e
   for row, key, _, _ in jobs:
-    try:
-      done[row, key] = done[row, key] if (row, key) in done else ahead.get((row, key))
-      if isinstance(done[row, key], Exception):
-        raise done[row, key]
-      failed = ""
-    except Exception as e:  # noqa: BLE001 - reported in the row, the table goes on
-      done[row, key] = e
-      failed = f" FAILED: {str(e).splitlines()[0][:200]}"
+    if (row, key) not in done:
+      try:
+        done[row, key] = ahead.get((row, key))
+      except Exception as e:  # noqa: BLE001 - reported in the row, the table goes on
+        done[row, key] = e
+    error = done[row, key] if isinstance(done[row, key], Exception) else None
+    failed = f" FAILED: {str(error).splitlines()[0][:200]}" if error else ""
     stamp(f"compiled {row} {key} by {time.perf_counter() - t0:.0f} s{failed}")
   ahead.shutdown()
   return done

@@ -19,10 +19,11 @@ def timed(fn, *args, reps=5, warmup=True):
 
 
 class CompileAhead:
-  """Compiles jitted programs on a thread pool, in the order submitted, while earlier ones run.
+  """Compiles jitted programs on a thread pool, in the order submitted.
 
-  XLA and Triton compile off the GIL, so a (layer, T) sweep's dozens of programs at real dims
-  compile concurrently and mostly behind the device work instead of one after another.
+  XLA and Triton compile off the GIL, so a sweep's dozens of programs at real dims compile
+  concurrently instead of one after another. XLA autotunes on the device while compiling: callers
+  that time programs `wait_all()` first.
   `submit` traces in the caller's thread (so closures bind now) and returns the abstract outputs;
   `get` waits for the executable, or raises the compile's error.
   """

@@ -163,14 +163,13 @@ class MLASparseAttention(nnx.Module):
     w_uk, w_uv = self._absorption()
     k, v = self._mqa_keys(x, positions)
     index_k = None if self.indexer is None else self.indexer.keys(x, positions)
-    # Every query chunk adds to the keys' gradients: carry their sum in f32, not in the keys' dtype.
-    keys_dtype = jax.tree.map(lambda a: a.dtype, (k, index_k))
-    keys_f32 = jax.tree.map(lambda a: a.astype(jnp.float32), (k, index_k)) if chunk else (k, index_k)
+    # Every query chunk adds to the keys' gradients: sum them in f32, not in the keys' dtype.
+    keys = st.summed_in_f32((k, index_k)) if chunk else lambda: (k, index_k)
 
     def rows(xs):
       """Output [B, t, D], indices, indexer loss and its counted rows of the query rows in xs."""
       x, positions, q_seg, q_offset, indices = xs
-      k, index_k = jax.tree.map(lambda a, dtype: a.astype(dtype), keys_f32, keys_dtype)
+      k, index_k = keys()
       t = x.shape[1]
       q, c_q = self._mqa_queries(x, positions, w_uk)
       loss = rows_counted = None

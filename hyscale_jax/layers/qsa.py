@@ -119,9 +119,8 @@ def block_indexer_loss(
       return _mean(kl(index_q, block_keys, attn_q, attn_k, attn_lse, blocks, q_seg, q_seg))
     split, _ = st.row_chunks(query_chunk, T)
     # Every chunk adds to block_keys' gradient: sum the chunks' parts in f32, not in a bf16 carry.
-    keys_f32, keys_dtype = block_keys.astype(jnp.float32), block_keys.dtype
-    chunk_kl = jax.checkpoint(lambda xs: kl(xs[0], keys_f32.astype(keys_dtype), xs[1], attn_k, xs[2], xs[3], xs[4],
-                                            q_seg))
+    keys = st.summed_in_f32(block_keys)
+    chunk_kl = jax.checkpoint(lambda xs: kl(xs[0], keys(), xs[1], attn_k, xs[2], xs[3], xs[4], q_seg))
     # Padded rows select nothing (blocks -1), so they count in neither sum.
     sums, rows = jax.lax.map(chunk_kl, (split(index_q), split(attn_q), split(attn_lse), split(blocks, -1),
                                         split(q_seg)))

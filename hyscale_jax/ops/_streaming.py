@@ -69,3 +69,15 @@ def row_chunks(chunk: int, length: int):
   split = lambda x, fill=0: None if x is None else to_blocks(x, 1, chunk, fill)
   join = lambda x: None if x is None else from_blocks(x, 1, length)
   return split, join
+
+
+def summed_in_f32(tree):
+  """A thunk giving `tree` back, for a row-chunk loop to call inside each chunk.
+
+  Every chunk adds to the gradient of what the loop closes over. The thunk closes over f32 copies
+  and casts them back to the original dtypes (exact), so those parts are summed in f32 rather than
+  in a bf16 carry; `None` leaves pass through.
+  """
+  dtypes = jax.tree.map(lambda a: a.dtype, tree)
+  wide = jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+  return lambda: jax.tree.map(lambda a, dtype: a.astype(dtype), wide, dtypes)
