@@ -64,7 +64,7 @@ from configs import deepseek_v4_flash, glm5_1, qwen3_8_flash_next  # noqa: E402
 from hyscale_jax import ops, remat  # noqa: E402
 from hyscale_jax.layers.compressed_attention import CompressedSparseAttention, window_indices  # noqa: E402
 from hyscale_jax.layers.mla import MLASparseAttention  # noqa: E402
-from hyscale_jax.layers.qsa import QSAAttention, block_indexer_loss, expand_blocks  # noqa: E402
+from hyscale_jax.layers.qsa import QSAAttention, block_tokens, expand_blocks  # noqa: E402
 from hyscale_jax.model_config import ModelConfig  # noqa: E402
 from hyscale_jax.ops.flash_topk.api import REGISTRY as TOPK_REGISTRY  # noqa: E402
 from hyscale_jax.ops.sparse_attention.api import REGISTRY as ATTENTION_REGISTRY  # noqa: E402
@@ -94,8 +94,6 @@ def layer_config(kind: str, variant: str, mode: str) -> ModelConfig:
   """The layer's ModelConfig (bf16) with the mode's model overrides."""
   model = LAYERS[kind].get_config(variant).model.to_dict()
   model.update(step_modes.settings(mode)[1], dtype="bfloat16", param_dtype="bfloat16")
-  if variant == "tiny" and model.get("qsa_loss_chunk"):
-    model["qsa_loss_chunk"] = 48  # several chunks at smoke lengths
   if variant == "tiny" and model.get("attention_query_chunk"):
     model["attention_query_chunk"] = 32  # four query chunks at T=128
   return ModelConfig.from_config(model)
@@ -189,15 +187,16 @@ def attention_args(kind, cfg, d, sel):
 
 
 def indexer_loss(kind, cfg, a, d, index, sel, lse, backend):
+  """The block's `ops.indexer_loss` call (QSA: the block form over the selected blocks' tokens)."""
+  kw = dict(grad_in_forward=cfg.indexer_loss_grad_in_forward, backend=backend)
   if kind == "qsa":
-    return block_indexer_loss(index[0], index[1], d["q"], d["k"], lse, sel, d["segs"], block=cfg.qsa_block,
-                              attn_scale=a.scale, index_scale=a.indexer.score_scale, pool=cfg.indexer_pool,
-                              query_chunk=cfg.qsa_loss_chunk)
+    key_tokens = block_tokens(expand_blocks(sel, d["seg"], cfg.qsa_block), cfg.qsa_block)
+    return ops.indexer_loss(*index, d["q"], d["k"], lse, sel, attn_scale=a.scale, index_scale=a.indexer.score_scale,
+                            key_tokens=key_tokens, key_pool=cfg.indexer_pool, **kw)
   q, k = (d["q"], d["k"]) if kind == "dsa" else (d["q"], d["entries"][:, :, None])
   scale = cfg.attention_scale if kind == "dsa" else a.scale
   return ops.indexer_loss(*index, q, k, lse, sel, attn_scale=scale, index_scale=a.indexer.score_scale,
-                          compress_ratio=cfg.csa_ratio if kind == "csa" else 1, segment_ids=d["segs"],
-                          grad_in_forward=cfg.indexer_loss_grad_in_forward, backend=backend)
+                          compress_ratio=cfg.csa_ratio if kind == "csa" else 1, segment_ids=d["segs"], **kw)
 
 
 def run_parts(kind, block, x, modes, call):
@@ -234,8 +233,8 @@ def run_parts(kind, block, x, modes, call):
   call("attention_fwd_bwd", jax.grad(attn_loss, argnums=(0, 1) if v is None else (0, 1, 2)), *args)
   del q, k, v, idx, args
   for variant in sorted({loss_variant(kind, m) for m in modes}):
-    backend, fused, chunk = variant
-    vcfg = dataclasses.replace(cfg, indexer_loss_grad_in_forward=fused, qsa_loss_chunk=chunk)
+    backend, fused = variant
+    vcfg = dataclasses.replace(cfg, indexer_loss_grad_in_forward=fused)
     loss = lambda iq, ik, iw, d, sel, lse, vcfg=vcfg, backend=backend: indexer_loss(
         kind, vcfg, a, d, (iq, ik, iw), sel, lse, backend)
     call(f"loss_fwd{variant}", loss, *index, d, sel, lse)
@@ -243,11 +242,9 @@ def run_parts(kind, block, x, modes, call):
 
 
 def loss_variant(kind, mode):
-  """(indexer loss backend, fused gradient, QSA chunk) of `mode`, with the fields `kind` never reads zeroed."""
+  """(indexer loss backend, fused gradient) of `mode`."""
   ops_, model = step_modes.settings(mode)
-  uses = _LAYER_USES[kind]
-  return (ops_["indexer_loss"], model["indexer_loss_grad_in_forward"] and "indexer_loss_grad_in_forward" in uses,
-          model["qsa_loss_chunk"] if "qsa_loss_chunk" in uses else 0)
+  return ops_["indexer_loss"], model["indexer_loss_grad_in_forward"]
 
 
 def breakdown(kind, mode, cfg, T, times, step_s):
@@ -327,7 +324,7 @@ def ablation_applies(kind: str, T: int, mode: str, variant: str) -> bool:
 
 # The holistic config fields each layer kind reads.
 _LAYER_USES = {"dsa": {"indexer_loss_grad_in_forward", "attention_query_chunk"},
-               "csa": {"indexer_loss_grad_in_forward"}, "qsa": {"qsa_loss_chunk"}}
+               "csa": {"indexer_loss_grad_in_forward"}, "qsa": {"indexer_loss_grad_in_forward"}}
 
 
 def plan_layer(kind, T, modes, args, programs):
@@ -533,7 +530,9 @@ def plot(args):
   T = args.breakdown_seq
   fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
   for ax, kind in zip(axes, LAYERS):
-    at = [r for r in rows if r["layer"] == kind and r["T"] == T and "parts_s" in r]
+    # Per mode the latest row that has a breakdown (a later --no-breakdown rerun has none).
+    at = [r for r in latest_rows(r for r in data["rows"] if "parts_s" in r and isinstance(r["step_s"], float))
+          if r["layer"] == kind and r["T"] == T]
     bottom = np.zeros(len(at))
     for part in ("indexer_projections", "selection", "attention_fwd", "attention_bwd", "indexer_loss", "other"):
       values = np.array([max(r["parts_s"][part], 0.0) * 1e3 for r in at])

@@ -52,7 +52,7 @@ def run_one(model, mode, args, workdir):
     cmd.append("--config.data.batch_size=2")
   _log(f"{model} {mode}: {' '.join(cmd[1:])}")
   t0 = time.perf_counter()
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH="."))
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")]))))
   row = dict(model=model, mode=mode, wall_s=time.perf_counter() - t0)
   if proc.returncode:
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]

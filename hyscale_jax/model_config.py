@@ -94,11 +94,9 @@ class ModelConfig:
   indexer_pool: str = "sum"
   indexer_frozen: bool = False
   # Holistic step optimizations (hyscale_jax/step_modes.py; same values and gradients, less work):
-  # the indexer loss computes its gradient in the forward pass and saves it (DSA and CSA layers),
-  # so neither the backward pass nor the "selection_replay" rematerialization reruns the teacher.
+  # the indexer loss computes its gradient in the forward pass and saves it (DSA, CSA and QSA
+  # layers), so neither the backward pass nor the "selection_replay" rematerialization reruns the teacher.
   indexer_loss_grad_in_forward: bool = False
-  # QSA's block indexer loss runs over this many query rows at a time (0: all rows at once).
-  qsa_loss_chunk: int = 0
   # MLA (DSA) attention over this many query rows at a time when T is longer (T must then be a
   # multiple): the keys are computed once, and under remat the absorbed queries, the attention
   # output and their gradients exist one chunk at a time (0: all rows at once).
@@ -161,8 +159,6 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {_DTYPES}.")
-    if not isinstance(self.qsa_loss_chunk, int) or self.qsa_loss_chunk < 0:
-      raise ValueError(f"model.qsa_loss_chunk={self.qsa_loss_chunk!r} must be an int >= 0 (0: unchunked).")
     if not isinstance(self.attention_query_chunk, int) or self.attention_query_chunk < 0:
       raise ValueError(f"model.attention_query_chunk={self.attention_query_chunk!r} must be an int >= 0 "
                        "(0: unchunked).")

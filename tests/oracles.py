@@ -241,7 +241,8 @@ def sparse_attention_grads_oracle(q, k, v, indices, dout, dlse=None, *, scale, s
 
 
 def _indexer_rows(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices,
-                  index_scale, attn_scale, compress_ratio, q_offset, segment_ids):
+                  index_scale, attn_scale, compress_ratio, q_offset, segment_ids,
+                  key_tokens=None, key_pool="sum"):
     """Per-row pieces of the indexer KL loss.
 
     Returns (rows, I) where I is f64[B,T,S] indexer logits and rows is a list
@@ -267,18 +268,34 @@ def _indexer_rows(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, ind
             if indices is None:
                 support = [s for s in range(S) if vis[b, t, s]]
             else:
-                support = [int(i) for i in np.asarray(indices)[b, t] if 0 <= int(i) < S]
+                slots = [j for j, i in enumerate(np.asarray(indices)[b, t]) if 0 <= int(i) < S]
+                support = [int(np.asarray(indices)[b, t, j]) for j in slots]
             if not support:
                 continue
-            # attention logits over the support: [H, n]
+            # the attention keys behind each support entry: itself, or its block's listed tokens
+            if key_tokens is None:
+                keys_of = [[s] for s in support]
+            else:
+                S_attn = attn_k.shape[1]
+                keys_of = [[int(u) for u in np.asarray(key_tokens)[b, t, j] if 0 <= int(u) < S_attn]
+                           for j in slots]
+            flat = [u for keys in keys_of for u in keys]
+            # attention logits over the attention keys: [H, n_keys]
             al = np.array([[attn_scale * float(attn_q[b, t, h] @ attn_k[b, s, _group_of(h, H, G)])
-                            for s in support] for h in range(H)], dtype=np.float64)
+                            for s in flat] for h in range(H)], dtype=np.float64).reshape(H, len(flat))
             if attn_lse is None:
                 m = al.max(axis=1, keepdims=True)
                 lse_h = (m + np.log(np.exp(al - m).sum(axis=1, keepdims=True)))[:, 0]
             else:
                 lse_h = _f64(attn_lse)[b, t]
-            u = np.exp(al - lse_h[:, None]).sum(axis=0)  # [n]
+            per_key = np.exp(al - lse_h[:, None]).sum(axis=0)  # [n_keys]
+            pool = np.max if key_pool == "max" else np.sum
+            u, start = [], 0
+            for keys in keys_of:
+                part = per_key[start:start + len(keys)]
+                u.append(float(pool(part)) if len(part) else 0.0)
+                start += len(keys)
+            u = np.array(u, dtype=np.float64)  # [n]
             usum = float(u.sum())
             if not usum > 0.0:
                 continue
@@ -308,6 +325,8 @@ def indexer_loss_oracle(
     compress_ratio=1,
     q_offset=0,
     segment_ids=None,
+    key_tokens=None,
+    key_pool="sum",
 ) -> float:
     """DSA indexer distillation loss: mean over valid rows of KL(teacher || student).
 
@@ -320,6 +339,9 @@ def indexer_loss_oracle(
         every key visible under `visibility(...)`). compress_ratio, q_offset,
         segment_ids are used only in the dense form.
       index_scale, attn_scale: logit scales.
+      key_tokens: int [B, T, K, P] or None (block form, QSA): support slot j's teacher mass is
+        `key_pool` ("sum" or "max") over the per-key masses at attention keys key_tokens[b, t, j]
+        (valid iff 0 <= token < attn_k's S); attn_k then holds those attention keys.
 
     Teacher p_j ∝ sum_h exp(attn_scale*<attn_q[b,t,h], attn_k[b,s_j,g(h)]> - attn_lse[b,t,h]);
     student log q_j = I_j - logsumexp_support(I). A row is valid iff its support
@@ -329,7 +351,8 @@ def indexer_loss_oracle(
       python float; 0.0 when no row is valid.
     """
     rows, _ = _indexer_rows(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices,
-                            index_scale, attn_scale, compress_ratio, q_offset, segment_ids)
+                            index_scale, attn_scale, compress_ratio, q_offset, segment_ids,
+                            key_tokens, key_pool)
     if not rows:
         return 0.0
     return float(sum(r["loss"] for r in rows) / len(rows))
@@ -349,6 +372,8 @@ def indexer_loss_grads_oracle(
     compress_ratio=1,
     q_offset=0,
     segment_ids=None,
+    key_tokens=None,
+    key_pool="sum",
 ):
     """Gradients of `indexer_loss_oracle` w.r.t. the indexer inputs (teacher is constant).
 
@@ -363,7 +388,8 @@ def indexer_loss_grads_oracle(
     B, T, HI, _ = iq.shape
     w = np.ones((B, T, HI)) if index_weights is None else _f64(index_weights)
     rows, _ = _indexer_rows(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices,
-                            index_scale, attn_scale, compress_ratio, q_offset, segment_ids)
+                            index_scale, attn_scale, compress_ratio, q_offset, segment_ids,
+                            key_tokens, key_pool)
     dq = np.zeros_like(iq)
     dk = np.zeros_like(ik)
     dw = np.zeros_like(w)

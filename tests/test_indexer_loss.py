@@ -324,3 +324,92 @@ def test_with_row_count_returns_the_rows_with_a_support(context):
     loss, rows = call(with_row_count=True)
   assert int(rows) == B * T - 6
   np.testing.assert_allclose(loss, want, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# Block form (QSA): index key j stands for the attention keys key_tokens[t, j, :], pooled.
+
+
+def _block_form_inputs(rng, B=2, T=13, blk=4, K=3, HI=2, DI=8, H=4, G=2, Dk=8):
+  """QSA-like inputs: blocks of `blk` tokens, causal block selections with -1, a repeated block,
+  an empty row, tokens of another document masked, a row whose student scores are all zero (the
+  ReLU plateau: ties), and the sparse attention's lse over the expanded tokens."""
+  N = T // blk
+  (iq, ik, _, aq, ak), scale = _make_inputs(rng, B, T, N, HI, DI, H, G, Dk, False)
+  ak = _normal(rng, B, T, G, Dk)  # attention keys are the T tokens
+  iq = iq.at[1, 7].set(0.0)  # row (1, 7): relu(<q, k>) = 0 at every block, a tie on the zero plateau
+  t = np.arange(T)[None, :, None]
+  blocks = rng.integers(0, N, (B, T, K))
+  blocks[:, :, 1] = blocks[:, :, 0]  # a repeated block: its own support slot, as in the sparse form
+  blocks = np.where((blocks + 1) * blk <= t + 1, blocks, -1)
+  blocks[0, 12, :] = -1  # an empty row
+  tokens = blocks[..., None] * blk + np.arange(blk)
+  tokens = np.where(blocks[..., None] >= 0, tokens, -1)
+  tokens[1, :, :, 0] = np.where(tokens[1, :, :, 0] == 4, -1, tokens[1, :, :, 0])  # another document's token
+  blocks, tokens = jnp.asarray(blocks, jnp.int32), jnp.asarray(tokens, jnp.int32)
+  attn_idx = tokens.reshape(B, T, K * blk)
+  alse = _attention_lse(aq, ak, attn_idx, scale)
+  return (iq, ik, aq, ak, alse, blocks, tokens), scale
+
+
+@pytest.mark.parametrize("pool", ["sum", "max"])
+@pytest.mark.parametrize("variant", ["reference", "chunked", "xla_baseline", "grad_in_forward", "pallas_teacher"])
+def test_block_form_matches_oracle(pool, variant):
+  """The block form (QSA's selected blocks) against the float64 oracle: loss and gradients, for the
+  reference, row chunks, the Megatron-style rescoring backward, the forward-pass gradient, and the
+  Pallas teacher kernel (interpret mode) pooled over each block's tokens."""
+  (iq, ik, aq, ak, alse, blocks, tokens), scale = _block_form_inputs(np.random.default_rng(11))
+  okw = dict(index_scale=_INDEX_SCALE, attn_scale=scale, key_tokens=np.asarray(tokens), key_pool=pool)
+  args64 = (_np(iq), _np(ik), None, _np(aq), _np(ak), _np(alse), np.asarray(blocks))
+  want_loss = indexer_loss_oracle(*args64, **okw)
+  want_grads = indexer_loss_grads_oracle(*args64, **okw)[:2]
+  assert want_loss > 1e-3
+  kw = dict(attn_scale=scale, index_scale=_INDEX_SCALE, key_tokens=tokens, key_pool=pool)
+  if variant == "chunked":
+    f = lambda q, k: indexer_loss_reference(q, k, None, aq, ak, alse, blocks, query_chunk=5, **kw)
+  elif variant == "pallas_teacher":
+    from pallas_kernels.sparse_attention import attention_teacher_pallas  # noqa: PLC0415
+    teacher = functools.partial(attention_teacher_pallas, interpret=True)
+    f = lambda q, k: indexer_loss_reference(q, k, None, aq, ak, alse, blocks, query_chunk=8,
+                                            teacher_mass=teacher, **kw)
+  else:
+    run = dict(grad_in_forward=True) if variant == "grad_in_forward" else dict(backend=variant)
+    f = lambda q, k: indexer_loss(q, k, None, aq, ak, alse, blocks, **kw, **run)
+  loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(iq, ik)
+  np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5, atol=1e-6)
+  for name, g, w in zip(("d_index_q", "d_index_k"), grads, want_grads):
+    assert g.shape == w.shape and np.isfinite(np.asarray(g)).all(), name
+    assert _rel_err(g, w) < 1e-4, (name, _rel_err(g, w))
+  assert not np.asarray(grads[0])[1, 7].any()  # the ReLU plateau row: no gradient through relu'(0)
+
+
+def test_block_form_with_one_token_per_block_is_the_sparse_form():
+  """key_tokens = indices[..., None] (blocks of one key): exactly the sparse form."""
+  rng = np.random.default_rng(12)
+  (iq, ik, iw, aq, ak), scale = _make_inputs(rng, 2, 9, 9, 2, 8, 4, 2, 8, True)
+  idx = _sparse_indices(rng, 2, 9, 9, 5)
+  alse = _attention_lse(aq, ak, idx, scale)
+  f = lambda **kw: jax.value_and_grad(
+      lambda q, k: indexer_loss(q, k, iw, aq, ak, alse, idx, attn_scale=scale, **kw), argnums=(0, 1))(iq, ik)
+  (want, want_g), (got, got_g) = f(), f(key_tokens=jnp.where(idx < 9, idx, -1)[..., None], key_pool="max")
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  for g, w in zip(got_g, want_g):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("overrides,arg,fragment", [
+    (dict(key_tokens=jnp.zeros((_B, _T, _K, 4), jnp.float32)), "key_tokens", "key_tokens.dtype=float32"),
+    (dict(key_tokens=jnp.zeros((_B, _T, _K + 1, 4), jnp.int32)), "key_tokens", "key_tokens.shape=(2, 4, 4, 4)"),
+    (dict(key_tokens=jnp.zeros((_B, _T, _K), jnp.int32)), "key_tokens", "key_tokens.shape=(2, 4, 3)"),
+    (dict(key_tokens=jnp.zeros((_B, _T, _K, 4), jnp.int32), indices=None, attn_lse=None), "key_tokens",
+     "needs indices"),
+    (dict(key_tokens=jnp.zeros((_B, _T, _K, 4), jnp.int32), key_pool="mean"), "key_pool", "'mean'"),
+])
+def test_bad_block_form_raises_value_error(overrides, arg, fragment):
+  args = dict(_GOOD, **{k: v for k, v in overrides.items() if k != "key_pool"})
+  extra = dict(key_tokens=args.pop("key_tokens"))
+  if "key_pool" in overrides:
+    extra["key_pool"] = overrides["key_pool"]
+  with pytest.raises(ValueError, match=re.escape(arg)) as info:
+    _call(args, **extra)
+  assert fragment in str(info.value), str(info.value)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from configs import qwen3_8_flash_next
 from hyscale_jax import models, remat
-from hyscale_jax.layers.qsa import QSAAttention, block_indexer_loss, expand_blocks
+from hyscale_jax.layers.qsa import QSAAttention, dense_block_indexer_loss, expand_blocks
 from hyscale_jax.model_config import ModelConfig
 
 try:
@@ -121,8 +121,8 @@ def test_block_kl_gradients_reach_only_the_indexer_inputs(pool):
   q, k, _, _ = layer.qkv_gate(x, positions)
 
   def loss(index_q, block_keys, q, k):
-    return block_indexer_loss(index_q, block_keys, q, k, None, None, (seg, block_seg), block=4,
-                              attn_scale=layer.scale, index_scale=layer.indexer.score_scale, pool=pool)
+    return dense_block_indexer_loss(index_q, block_keys, q, k, (seg, block_seg), block=4,
+                                    attn_scale=layer.scale, index_scale=layer.indexer.score_scale, pool=pool)
 
   value = loss(index_q, block_keys, q, k)
   grads = jax.grad(loss, argnums=(0, 1, 2, 3))(index_q, block_keys, q, k)

@@ -23,10 +23,8 @@ _QSA = ModelConfig(architecture="qwen4_exp", vocab_size=64, d_model=32, n_layers
                    experts_per_token=2, moe_inter=16, scoring="softmax", routed_scaling=1.0)
 
 
-def _loss_and_grads(cfg, mode, chunk=None):
+def _loss_and_grads(cfg, mode):
   ops, overrides = step_modes.settings(mode)
-  if chunk and overrides["qsa_loss_chunk"]:
-    overrides["qsa_loss_chunk"] = chunk
   if overrides["attention_query_chunk"]:
     overrides["attention_query_chunk"] = 8  # four query chunks of the 32 tokens
   model = models.build(dataclasses.replace(cfg, **overrides), rngs=nnx.Rngs(0))
@@ -45,7 +43,7 @@ def _loss_and_grads(cfg, mode, chunk=None):
 def test_every_mode_gives_the_same_loss_and_gradients(cfg):
   want_loss, want_grads = _loss_and_grads(cfg, "megatron_style")
   for mode in step_modes.STEP_MODES[1:] + step_modes.ABLATIONS:
-    loss, grads = _loss_and_grads(cfg, mode, chunk=5)
+    loss, grads = _loss_and_grads(cfg, mode)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=mode)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
       np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6, err_msg=mode)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ from hyscale_jax.layers.norms import ZeroCenteredRMSNorm
 from hyscale_jax.layers.rope import apply_rope
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.ops import _streaming as st
-from hyscale_jax.ops.flash_topk import index_scores, index_scores_at
+from hyscale_jax.ops.flash_topk import index_scores
 
 
 def partial_rope(x, positions, *, rope_dim: int, theta: float):
@@ -43,8 +42,15 @@ def expand_blocks(blocks: Int[Array, "B T K"], segment_ids: Int[Array, "B T"], b
   return jnp.where((tokens >= 0) & (token_seg == segment_ids[:, :, None]), tokens, -1)
 
 
+def block_tokens(tokens: Int[Array, "B T W"], block: int) -> Int[Array, "B T K block"]:
+  """The selected blocks' tokens of `expand_blocks`' output [B, T, K*block + block-1], tail dropped."""
+  B, T, W = tokens.shape
+  K = (W - (block - 1)) // block
+  return tokens[..., : K * block].reshape(B, T, K, block)
+
+
 def _block_kl(teacher_blocks, student_logits, support, pool: str):
-  """(sum over rows, rows counted) of KL(pool(teacher) normalised || softmax(student)) on `support`."""
+  """Mean over counted rows of KL(pool(teacher) normalised || softmax(student)) on `support`."""
   pooled = teacher_blocks.max(-1) if pool == "max" else teacher_blocks.sum(-1)  # [B, T, N]
   pooled = jnp.where(support, pooled, 0.0)
   mass = pooled.sum(-1, keepdims=True)
@@ -52,80 +58,34 @@ def _block_kl(teacher_blocks, student_logits, support, pool: str):
   log_q = jax.nn.log_softmax(jnp.where(support, student_logits, -jnp.inf), axis=-1)
   kl = jnp.where(p > 0, p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_q), 0.0).sum(-1)
   rows = (mass[..., 0] > 0) & support.any(-1)
-  return jnp.sum(jnp.where(rows, kl, 0.0)), rows.sum()
+  return jnp.sum(jnp.where(rows, kl, 0.0)) / jnp.maximum(rows.sum(), 1)
 
 
-def _mean(kl_sum_and_rows):
-  kl_sum, rows = kl_sum_and_rows
-  return kl_sum / jnp.maximum(rows, 1)
-
-
-def _sparse_block_kl(index_q, block_keys, attn_q, attn_k, attn_lse, blocks, row_seg, q_seg, *, block,
-                     attn_scale, index_scale, pool):
-  """(KL sum, rows counted) over a run of query rows, given their selected blocks."""
-  B, T, H, _ = attn_q.shape
-  G, S = attn_k.shape[2], attn_k.shape[1]
-  K = blocks.shape[-1]
-  tokens = jnp.where(blocks[..., None] >= 0, blocks[..., None] * block + jnp.arange(block), -1)
-  tokens = tokens.reshape(B, T, K * block)
-  safe = jnp.clip(tokens, 0, S - 1)
-  k_sel = jax.vmap(lambda kb, ib: kb[ib])(attn_k, safe)  # [B, T, K*block, G, D]
-  logits = jnp.einsum("btgrd,btjgd->btgrj", attn_q.reshape(B, T, G, H // G, -1), k_sel,
-                      preferred_element_type=jnp.float32) * attn_scale
-  probs = jnp.exp(logits.reshape(B, T, H, -1) - attn_lse[..., None]).mean(2)  # [B, T, K*block]
-  tok_seg = jnp.take_along_axis(q_seg[:, None, :], safe, axis=2)
-  probs = jnp.where((tokens >= 0) & (tok_seg == row_seg[:, :, None]), probs, 0.0)
-  student = index_scores_at(index_q, block_keys, None, blocks, index_scale)
-  return _block_kl(probs.reshape(B, T, K, block), student, blocks >= 0, pool)
-
-
-def block_indexer_loss(
+def dense_block_indexer_loss(
     index_q: Float[Array, "B T HI DI"],
     block_keys: Float[Array, "B N DI"],
     attn_q: Float[Array, "B T H D"],
     attn_k: Float[Array, "B T G D"],
-    attn_lse: Float[Array, "B T H"] | None,
-    blocks: Int[Array, "B T K"] | None,
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B N"]],
     *,
     block: int,
     attn_scale: float,
     index_scale: float,
     pool: str = "sum",
-    query_chunk: int = 0,
 ) -> Float[Array, ""]:
-  """QSA's block-level indexer KL (the community recipe of architectures.md §4.3; Qwen's is private).
+  """QSA's block-level indexer KL over every visible block: the dense warm-up's form.
 
-  Teacher: the main attention's probabilities averaged over heads, pooled over each block's
-  `block` tokens (`sum` or `max`), L1-normalised over the support; detached. Student:
-  `softmax(S_t)` with the weight-free block score `S = index_scale * sum_j relu(<q_j, K_b>)`.
-  Sparse form (`blocks` given: the selection, with the attention's `attn_lse`): the support is the
-  selected blocks. Dense form (`blocks=None`): every visible block (b+1)*block <= t+1 of t's
-  document; it builds the [T, T] attention of the dense warm-up, so use it at warm-up lengths.
-  Gradients reach only index_q and block_keys.
-
-  `query_chunk` > 0 (sparse form): rows are processed that many at a time under `jax.checkpoint`,
-  so the gathered keys ([rows, K * block, G, D]) and logits never exist for all T rows at once;
-  the same value and gradient. 0 builds them for all rows (about 2 MB per row at the full QSA dims).
+  The community recipe of architectures.md §4.3 (Qwen's is private). Teacher: the main attention's
+  probabilities averaged over heads, pooled over each block's `block` tokens (`sum` or `max`),
+  L1-normalised over the visible blocks (b+1)*block <= t+1 of t's document; detached. Student:
+  `softmax(S_t)` with the weight-free block score `S = index_scale * sum_j relu(<q_j, K_b>)`. It
+  builds the [T, T] attention, so use it at warm-up lengths; the sparse form (the selected blocks)
+  is `ops.indexer_loss` with `key_tokens`. Gradients reach only index_q and block_keys.
   """
-  attn_q, attn_k, attn_lse = jax.lax.stop_gradient((attn_q, attn_k, attn_lse))
+  attn_q, attn_k = jax.lax.stop_gradient((attn_q, attn_k))
   B, T, H, _ = attn_q.shape
-  G = attn_k.shape[2]
+  G, N = attn_k.shape[2], block_keys.shape[1]
   q_seg, block_seg = segment_ids
-  if blocks is not None:
-    kl = functools.partial(_sparse_block_kl, block=block, attn_scale=attn_scale, index_scale=index_scale,
-                           pool=pool)
-    if not query_chunk or query_chunk >= T:
-      return _mean(kl(index_q, block_keys, attn_q, attn_k, attn_lse, blocks, q_seg, q_seg))
-    split, _ = st.row_chunks(query_chunk, T)
-    # Every chunk adds to block_keys' gradient: sum the chunks' parts in f32, not in a bf16 carry.
-    keys = st.summed_in_f32(block_keys)
-    chunk_kl = jax.checkpoint(lambda xs: kl(xs[0], keys(), xs[1], attn_k, xs[2], xs[3], xs[4], q_seg))
-    # Padded rows select nothing (blocks -1), so they count in neither sum.
-    sums, rows = jax.lax.map(chunk_kl, (split(index_q), split(attn_q), split(attn_lse), split(blocks, -1),
-                                        split(q_seg)))
-    return _mean((sums.sum(), rows.sum()))
-  N = block_keys.shape[1]
   visible_tok = st.key_visible(jnp.arange(T), jnp.arange(T), 1, q_seg, q_seg)  # [B, T, T]
   logits = jnp.einsum("btgrd,bsgd->btgrs", attn_q.reshape(B, T, G, H // G, -1), attn_k,
                       preferred_element_type=jnp.float32) * attn_scale
@@ -133,7 +93,7 @@ def block_indexer_loss(
   probs = jnp.where(visible_tok, probs.reshape(B, T, H, T).mean(2), 0.0)[..., : N * block]
   student = index_scores(index_q, block_keys, None, index_scale)
   support = st.key_visible(jnp.arange(T), jnp.arange(N), block, q_seg, block_seg)
-  return _mean(_block_kl(probs.reshape(B, T, N, block), student, support, pool))
+  return _block_kl(probs.reshape(B, T, N, block), student, support, pool)
 
 
 class QSAIndexer(nnx.Module):
@@ -189,7 +149,8 @@ class QSAAttention(nnx.Module):
   `weights=None`, `compress_ratio=qsa_block`); they expand to tokens plus the current partial
   block's tail (`index_topk * qsa_block + qsa_block - 1` indices) for one `ops.sparse_attention`
   call with G = n_kv_heads groups. `dense=True` (the warm-up) attends every causal token. The
-  indexer learns from `block_indexer_loss` (pool `indexer_pool`) unless `indexer_frozen`.
+  indexer learns from the block KL (`ops.indexer_loss` with `key_tokens`, pool `indexer_pool`; the
+  dense warm-up's `dense_block_indexer_loss`) unless `indexer_frozen`.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -247,10 +208,16 @@ class QSAAttention(nnx.Module):
       tokens = expand_blocks(blocks, segment_ids, cfg.qsa_block)
     out, lse = ops.sparse_attention(q, k, v, tokens, scale=self.scale, backend=backend("sparse_attention"))
     loss = None
-    if not cfg.indexer_frozen:
-      loss = block_indexer_loss(index_q, block_keys, q, k, None if dense else lse, blocks, segs,
-                                block=cfg.qsa_block, attn_scale=self.scale,
-                                index_scale=self.indexer.score_scale, pool=cfg.indexer_pool,
-                                query_chunk=cfg.qsa_loss_chunk)
+    if cfg.indexer_frozen:
+      pass
+    elif dense:
+      loss = dense_block_indexer_loss(index_q, block_keys, q, k, segs, block=cfg.qsa_block, attn_scale=self.scale,
+                                      index_scale=self.indexer.score_scale, pool=cfg.indexer_pool)
+    else:
+      # The loss's support is the selected blocks; each block's teacher is its (segment-masked) tokens'.
+      loss = ops.indexer_loss(index_q, block_keys, None, q, k, lse, blocks, attn_scale=self.scale,
+                              index_scale=self.indexer.score_scale, key_tokens=block_tokens(tokens, cfg.qsa_block),
+                              key_pool=cfg.indexer_pool, grad_in_forward=cfg.indexer_loss_grad_in_forward,
+                              backend=backend("indexer_loss"))
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
     return AttentionOutput(self.o_proj(out.reshape(B, T, -1)), blocks, loss)

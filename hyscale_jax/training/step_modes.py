@@ -21,11 +21,9 @@ import ml_collections
 
 # Holistic optimizations: model-config overrides, each with the same values and gradients.
 HOLISTIC: dict[str, dict] = {
-    # The indexer loss's gradient computed in its forward pass and saved (DSA, CSA): the teacher
+    # The indexer loss's gradient computed in its forward pass and saved (DSA, CSA, QSA): the teacher
     # runs once per step instead of three times (forward, remat recompute, backward).
     "fused_loss_grad": {"indexer_loss_grad_in_forward": True},
-    # QSA's block indexer loss over 1024 query rows at a time, so its gathered keys fit at long T.
-    "qsa_loss_chunk": {"qsa_loss_chunk": 1024},
     # MLA attention over 128K query rows at a time, for 256K-1M tokens (measured to 512K); each chunk
     # then reruns its attention forward in the backward pass (ModelConfig.query_chunk). No-op at T <= 128K.
     "query_chunk": {"attention_query_chunk": 131072},
@@ -54,7 +52,7 @@ def settings(mode: str) -> tuple[dict, dict]:
   else:
     raise ValueError(f"step_mode={mode!r} is not one of {STEP_MODES + ABLATIONS}.")
   ops, model = _BASE["+replay" if holistic else mode]
-  model = dict(model, indexer_loss_grad_in_forward=False, qsa_loss_chunk=0, attention_query_chunk=0)
+  model = dict(model, indexer_loss_grad_in_forward=False, attention_query_chunk=0)
   for name in holistic:
     model.update(HOLISTIC[name])
   return dict(ops, sparse_attention="auto"), model

@@ -37,7 +37,9 @@ def index_scores_at(
 ) -> Float[Array, "B T K"]:
   """`index_scores` at listed keys only: entry j of row t scores key `indices[t, j]` (clamped)."""
   safe = jnp.clip(indices, 0, k.shape[1] - 1)
-  k_sel = jax.vmap(lambda kb, ib: kb[ib])(k, safe)  # [B, T, K, D]
+  # Gathered from an f32 copy so that the gather's transpose (k's gradient) adds the rows' parts in
+  # f32: a bf16 scatter-add over T * K parts drifts with T (QSA's block keys: 11% at T = 4K).
+  k_sel = jax.vmap(lambda kb, ib: kb[ib])(k.astype(jnp.float32), safe).astype(k.dtype)  # [B, T, K, D]
   dots = jnp.einsum(
       "bthd,btjd->bthj", q, k_sel, preferred_element_type=jnp.float32, precision=_HIGHEST
   )

@@ -79,6 +79,8 @@ def indexer_loss(
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
     grad_in_forward: bool = False,
     with_row_count: bool = False,
+    key_tokens: Int[Array, "B T K P"] | None = None,
+    key_pool: str = "sum",
     backend: Backend = "auto",
 ) -> Float[Array, ""] | tuple[Float[Array, ""], Int[Array, ""]]:
   """Mean over query rows of KL(p_t || softmax(I_t)) on each row's support (DeepSeek-V3.2 §2.1).
@@ -90,6 +92,10 @@ def indexer_loss(
   support, renormalised.
 
   - Sparse form (`indices` given, the selection): the support is the listed valid indices.
+  - Block form (`indices` and `key_tokens` given; QSA): index key s stands for a block of attention
+    keys. attn_k holds the attention keys ([B, S_attn, G, Dk], any S_attn), and the teacher at
+    entry (t, j) is `key_pool` (sum or max) over p of u at attention key `key_tokens[t, j, p]`
+    (-1: none). The masses at the listed keys are the same kernel's as the sparse form's.
   - Dense warm-up form (`indices=None`): the support is every key visible under
     `compress_ratio`/`q_offset`/`segment_ids` (the `flash_topk` rule), streamed in key chunks with
     no [T, S] table. `attn_lse=None` computes each head's LSE over that support.
@@ -118,6 +124,9 @@ def indexer_loss(
       rematerialization reruns the teacher. Same value and gradient; ignored by `xla_baseline`.
     with_row_count: also return how many rows the mean counted (over all shards under a context
       mesh), so that means over disjoint row sets combine as `sum_i n_i * mean_i / max(sum_i n_i, 1)`.
+    key_tokens: int[B, T, K, P] the attention keys behind each selected index key (block form), or
+      None (index keys are attention keys).
+    key_pool: "sum" or "max": how the block form pools its attention keys' teacher masses.
     backend: "auto", "pallas" (sparse form only: the teacher from a Pallas kernel), "reference", or
       "xla_baseline" (sparse form only: the Megatron-style backward that rescores every key).
 
@@ -128,7 +137,7 @@ def indexer_loss(
     ValueError: on mismatched shapes, bad dtypes, or `attn_lse=None` in the sparse form.
   """
   _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, compress_ratio, q_offset,
-              segment_ids)
+              segment_ids, key_tokens, key_pool)
   _checks.check_static_float("attn_scale", attn_scale)
   _checks.check_static_float("index_scale", index_scale)
   attn_q, attn_k, attn_lse = jax.lax.stop_gradient((attn_q, attn_k, attn_lse))
@@ -136,16 +145,18 @@ def indexer_loss(
   q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
 
   def loss(row_offset, local, full, replicated, with_row_count=False):
-    (index_q, index_weights, attn_q, attn_lse, indices, q_seg), (index_k, attn_k, kv_seg) = local, full
+    (index_q, index_weights, attn_q, attn_lse, indices, key_tokens, q_seg), (index_k, attn_k, kv_seg) = local, full
     (q_offset,) = replicated
+    block_form = {} if key_tokens is None else dict(key_tokens=key_tokens, key_pool=key_pool)
     return REGISTRY.run(
         names, index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices,
         attn_scale=float(attn_scale), index_scale=float(index_scale), compress_ratio=int(compress_ratio),
         q_offset=q_offset + row_offset, segment_ids=None if q_seg is None else (q_seg, kv_seg),
-        with_row_count=with_row_count, grad_in_forward=bool(grad_in_forward),
+        with_row_count=with_row_count, grad_in_forward=bool(grad_in_forward), **block_form,
     )
 
-  local, full = (index_q, index_weights, attn_q, attn_lse, indices, q_seg), (index_k, attn_k, kv_seg)
+  local = (index_q, index_weights, attn_q, attn_lse, indices, key_tokens, q_seg)
+  full = (index_k, attn_k, kv_seg)
   mesh = _context.context_mesh()
   if mesh is None:
     return loss(0, local, full, (q_offset,), with_row_count=with_row_count)
@@ -164,7 +175,7 @@ def indexer_loss(
 
 
 def _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, compress_ratio, q_offset,
-                segment_ids):
+                segment_ids, key_tokens=None, key_pool="sum"):
   _checks.check_rank("index_q", index_q, 4, "B, T, HI, DI")
   _checks.check_rank("index_k", index_k, 3, "B, S, DI")
   _checks.check_rank("attn_q", attn_q, 4, "B, T, H, Dk")
@@ -184,7 +195,8 @@ def _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indic
   H = attn_q.shape[2]
   if attn_q.shape[:2] != (B, T):
     raise ValueError(f"attn_q.shape={tuple(attn_q.shape)} must start with [B, T]={(B, T)} {where}.")
-  if attn_k.shape[:2] != (B, S) or attn_k.shape[3] != attn_q.shape[3]:
+  S_attn = S if key_tokens is None else attn_k.shape[1]  # the block form's attention keys are tokens
+  if attn_k.shape[:2] != (B, S_attn) or attn_k.shape[3] != attn_q.shape[3]:
     raise ValueError(
         f"attn_k.shape={tuple(attn_k.shape)} must be [B, S, G, Dk]=({B}, {S}, G, {attn_q.shape[3]}) "
         f"from index_k.shape={tuple(index_k.shape)} and attn_q.shape={tuple(attn_q.shape)}."
@@ -203,6 +215,16 @@ def _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indic
       raise ValueError(f"indices.shape={tuple(indices.shape)} must start with [B, T]={(B, T)} {where}.")
     if attn_lse is None:
       raise ValueError("attn_lse is required in the sparse form (indices given): pass sparse_attention's lse.")
+  if key_tokens is not None:
+    if indices is None:
+      raise ValueError("key_tokens (the block form) needs indices: it is a sparse form.")
+    _checks.check_rank("key_tokens", key_tokens, 4, "B, T, K, P")
+    _checks.check_int("key_tokens", key_tokens)
+    if key_tokens.shape[:3] != indices.shape:
+      raise ValueError(f"key_tokens.shape={tuple(key_tokens.shape)} must be [B, T, K, P] with "
+                       f"[B, T, K]={tuple(indices.shape)} from indices.shape.")
+  if key_pool not in ("sum", "max"):
+    raise ValueError(f"key_pool={key_pool!r} must be 'sum' or 'max'.")
   _checks.check_positive_int("compress_ratio", compress_ratio)
   _checks.check_scalar_int("q_offset", q_offset)
   _checks.check_segment_ids(segment_ids, B, T, S)

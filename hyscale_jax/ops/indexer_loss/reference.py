@@ -47,12 +47,27 @@ def teacher_mass_reference(
   return probs_from_lse(attention_logits_at(attn_q, attn_k, indices, scale), attn_lse).sum(axis=2)
 
 
-def _sparse_chunk(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, teacher_mass):
+def _teacher_at(teacher, attn_q, attn_k, attn_lse, indices, key_tokens, scale):
+  """f32[B, t, K] teacher mass at each selected index key; `teacher` is (teacher_mass, pool).
+
+  Without `key_tokens` an index key is an attention key. With them (QSA), index key j stands for
+  the attention keys key_tokens[..., j, :], and its mass is the pool (sum or max) of theirs.
+  """
+  teacher_mass, pool = teacher
+  if key_tokens is None:
+    return teacher_mass(attn_q, attn_k, attn_lse, indices, scale=scale)
+  B, t, K, P = key_tokens.shape
+  per_key = teacher_mass(attn_q, attn_k, attn_lse, key_tokens.reshape(B, t, K * P), scale=scale)
+  per_key = per_key.reshape(B, t, K, P)
+  return per_key.max(axis=-1) if pool == "max" else per_key.sum(axis=-1)
+
+
+def _sparse_chunk(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens, scales, teacher):
   """Student log-probs, teacher probs and row validity for a chunk of rows: [B, t, K] x2, [B, t]."""
   index_scale, attn_scale = scales
   valid = valid_indices(indices, index_k.shape[1])
   logits = jnp.where(valid, index_scores_at(index_q, index_k, index_weights, indices, index_scale), -jnp.inf)
-  teacher = teacher_mass(attn_q, attn_k, attn_lse, indices, scale=attn_scale)
+  teacher = jnp.where(valid, _teacher_at(teacher, attn_q, attn_k, attn_lse, indices, key_tokens, attn_scale), 0.0)
   mass = teacher.sum(axis=-1)
   row_valid = valid.any(axis=-1) & (mass > 0)
   target = teacher / jnp.where(row_valid, mass, 1.0)[..., None]
@@ -67,36 +82,38 @@ def _kl_rows(log_student, target):
   return terms.sum(axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk, teacher_mass,
-                 rescore=False):
-  """(f32[] mean KL over counted rows, i32[] rows counted); `rescore`: see `_rescored_grads`."""
-  return _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk,
-                          teacher_mass, rescore)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens, scales, chunk,
+                 teacher, rescore=False):
+  """(f32[] mean KL over counted rows, i32[] rows counted); `rescore`: see `_chunk_grads`."""
+  return _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens, scales,
+                          chunk, teacher, rescore)[0]
 
 
-def _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, chunk):
+def _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, key_tokens, chunk):
   """The per-row inputs split into [n, B, chunk, ...] blocks (padded rows select nothing), and join."""
   split, join = st.row_chunks(chunk, index_q.shape[1])
-  return (split(index_q), split(index_weights), split(attn_q), split(attn_lse), split(indices, -1)), join
+  return (split(index_q), split(index_weights), split(attn_q), split(attn_lse), split(indices, -1),
+          split(key_tokens, -1)), join
 
 
-def _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales, chunk,
-                     teacher_mass, rescore=False):
+def _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens, scales, chunk,
+                     teacher, rescore=False):
   del rescore  # only the backward pass differs
 
   def chunk_rows(xs):
-    iq, iw, aq, alse, idx = xs
-    log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, scales, teacher_mass)
+    iq, iw, aq, alse, idx, tok = xs
+    log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, tok, scales, teacher)
     return _kl_rows(log_student, target), row_valid
 
-  xs, _ = _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, chunk)
+  xs, _ = _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, key_tokens, chunk)
   row_kl, row_valid = jax.lax.map(chunk_rows, xs)
   loss, n_valid = _row_mean(row_kl, row_valid)
-  return (loss, n_valid), (index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, n_valid)
+  residuals = (index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens, n_valid)
+  return (loss, n_valid), residuals
 
 
-def _chunk_grads(index_k, attn_k, scales, teacher_mass, coef, rescore, xs):
+def _chunk_grads(index_k, attn_k, scales, teacher, coef, rescore, xs):
   """One row chunk: (dq, dk, dw) of `coef * sum of the rows' KL`, and the rows' (KL, validity).
 
   The logit gradient is the closed form `softmax(I) - p` on the support. `rescore` (the
@@ -104,8 +121,8 @@ def _chunk_grads(index_k, attn_k, scales, teacher_mass, coef, rescore, xs):
   against every key, as Megatron's FusedDSAIndexerLoss backward does; otherwise through the scores
   at the selected keys only (O(K) per row).
   """
-  iq, iw, aq, alse, idx = xs
-  log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, scales, teacher_mass)
+  iq, iw, aq, alse, idx, tok = xs
+  log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, tok, scales, teacher)
   valid = valid_indices(idx, index_k.shape[1])
   g = jnp.where(row_valid[..., None] & valid, jnp.exp(log_student) - target, 0.0) * coef  # [B, c, K]
   if rescore:
@@ -120,24 +137,24 @@ def _chunk_grads(index_k, attn_k, scales, teacher_mass, coef, rescore, xs):
   return (dq, dk.astype(jnp.float32), dw), (_kl_rows(log_student, target), row_valid)
 
 
-def _sparse_loss_bwd(scales, chunk, teacher_mass, rescore, residuals, cts):
+def _sparse_loss_bwd(scales, chunk, teacher, rescore, residuals, cts):
   ct = cts[0]  # the row count is an integer: no cotangent
-  index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, n_valid = residuals
+  index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens, n_valid = residuals
   coef = ct / jnp.maximum(n_valid, 1).astype(jnp.float32)
 
   def chunk_grads(dk, xs):
-    (dq, dk_chunk, dw), _ = _chunk_grads(index_k, attn_k, scales, teacher_mass, coef, rescore, xs)
+    (dq, dk_chunk, dw), _ = _chunk_grads(index_k, attn_k, scales, teacher, coef, rescore, xs)
     return dk + dk_chunk, (dq, dw)
 
-  xs, join = _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, chunk)
+  xs, join = _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, key_tokens, chunk)
   dk, (dq, dw) = jax.lax.scan(chunk_grads, jnp.zeros(index_k.shape, jnp.float32), xs)
   dq = join(dq).astype(index_q.dtype)
   dw = None if index_weights is None else join(dw).astype(index_weights.dtype)
-  return dq, dk.astype(index_k.dtype), dw, None, None, None, None
+  return dq, dk.astype(index_k.dtype), dw, None, None, None, None, None
 
 
-def _sparse_loss_grad_in_forward(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, scales,
-                                 chunk, teacher_mass):
+def _sparse_loss_grad_in_forward(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens,
+                                 scales, chunk, teacher):
   """The sparse loss with its gradient computed in the same pass over the rows, and saved.
 
   One scan computes each chunk's KL and its gradient at unit cotangent (the teacher once); the
@@ -150,10 +167,10 @@ def _sparse_loss_grad_in_forward(index_q, index_k, index_weights, attn_q, attn_k
   iq0, ik0, iw0, aq, ak, alse = sg((index_q, index_k, index_weights, attn_q, attn_k, attn_lse))
 
   def chunk_grads(dk, xs):
-    (dq, dk_chunk, dw), rows = _chunk_grads(ik0, ak, scales, teacher_mass, jnp.float32(1), False, xs)
+    (dq, dk_chunk, dw), rows = _chunk_grads(ik0, ak, scales, teacher, jnp.float32(1), False, xs)
     return dk + dk_chunk, (dq, dw, rows)
 
-  xs, join = _sparse_row_chunks(iq0, iw0, aq, alse, indices, chunk)
+  xs, join = _sparse_row_chunks(iq0, iw0, aq, alse, indices, key_tokens, chunk)
   dk, (dq, dw, (row_kl, row_valid)) = jax.lax.scan(chunk_grads, jnp.zeros(ik0.shape, jnp.float32), xs)
   loss, n_valid = _row_mean(row_kl, row_valid)
   inv = 1.0 / jnp.maximum(n_valid, 1).astype(jnp.float32)
@@ -360,6 +377,8 @@ def indexer_loss_reference(
     compress_ratio: int = 1,
     q_offset: int | Int[Array, ""] = 0,
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
+    key_tokens: Int[Array, "B T K P"] | None = None,
+    key_pool: str = "sum",
     query_chunk: int = 64,
     key_chunk: int = 256,
     teacher_mass=teacher_mass_reference,
@@ -373,6 +392,8 @@ def indexer_loss_reference(
   O(query_chunk * K * (H + HI)). Dense form (`indices=None`): the support is every visible key,
   streamed `key_chunk` keys at a time (no [T, S] table); `attn_lse=None` computes each head's LSE
   over the same support. With `with_row_count`, returns (loss, i32[] rows counted in the mean).
+  `key_tokens` (sparse form, QSA): the attention keys behind each selected index key, whose
+  teacher masses are pooled by `key_pool` (see `ops.indexer_loss`).
   `teacher_mass` computes the sparse form's teacher (the Pallas backend passes its kernel); the
   teacher is recomputed in the backward pass rather than saved, since [T, K] f32 per layer is
   8.6 GB at 1M tokens.
@@ -383,12 +404,17 @@ def indexer_loss_reference(
       `xla_baseline` backend.
   """
   scales = (float(index_scale), float(attn_scale))
+  teacher = (teacher_mass, str(key_pool))
+  if key_tokens is not None:
+    if indices is None:
+      raise NotImplementedError("indexer_loss: key_tokens covers the sparse form (indices given).")
+    key_tokens = key_tokens.astype(jnp.int32)
   if indices is not None and grad_in_forward:
     out = _sparse_loss_grad_in_forward(index_q, index_k, index_weights, attn_q, attn_k, attn_lse,
-                                       indices.astype(jnp.int32), scales, int(query_chunk), teacher_mass)
+                                       indices.astype(jnp.int32), key_tokens, scales, int(query_chunk), teacher)
   elif indices is not None:
-    out = _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse,
-                       indices.astype(jnp.int32), scales, int(query_chunk), teacher_mass, bool(rescore))
+    out = _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices.astype(jnp.int32),
+                       key_tokens, scales, int(query_chunk), teacher, bool(rescore))
   else:
     positions = (jnp.asarray(q_offset, jnp.int32), segment_ids)
     out = _dense_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions,
