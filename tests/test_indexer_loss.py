@@ -332,8 +332,9 @@ def test_with_row_count_returns_the_rows_with_a_support(context):
 
 def _block_form_inputs(rng, B=2, T=13, blk=4, K=3, HI=2, DI=8, H=4, G=2, Dk=8):
   """QSA-like inputs: blocks of `blk` tokens, causal block selections with -1, a repeated block,
-  an empty row, tokens of another document masked, a row whose student scores are all zero (the
-  ReLU plateau: ties), and the sparse attention's lse over the expanded tokens."""
+  an empty row, a row of blocks without tokens (zero teacher mass), tokens of another document
+  masked, a row whose student scores are all zero (the ReLU plateau: a tie between two blocks whose
+  teacher masses differ), and the sparse attention's lse over the expanded tokens."""
   N = T // blk
   (iq, ik, _, aq, ak), scale = _make_inputs(rng, B, T, N, HI, DI, H, G, Dk, False)
   ak = _normal(rng, B, T, G, Dk)  # attention keys are the T tokens
@@ -343,8 +344,10 @@ def _block_form_inputs(rng, B=2, T=13, blk=4, K=3, HI=2, DI=8, H=4, G=2, Dk=8):
   blocks[:, :, 1] = blocks[:, :, 0]  # a repeated block: its own support slot, as in the sparse form
   blocks = np.where((blocks + 1) * blk <= t + 1, blocks, -1)
   blocks[0, 12, :] = -1  # an empty row
+  blocks[1, 7] = blocks[0, 9] = [0, 1, -1]  # two distinct blocks: the plateau row's tie is a real one
   tokens = blocks[..., None] * blk + np.arange(blk)
   tokens = np.where(blocks[..., None] >= 0, tokens, -1)
+  tokens[0, 9] = -1  # valid blocks without a token (zero teacher mass): the row is not counted
   tokens[1, :, :, 0] = np.where(tokens[1, :, :, 0] == 4, -1, tokens[1, :, :, 0])  # another document's token
   blocks, tokens = jnp.asarray(blocks, jnp.int32), jnp.asarray(tokens, jnp.int32)
   attn_idx = tokens.reshape(B, T, K * blk)
@@ -381,6 +384,25 @@ def test_block_form_matches_oracle(pool, variant):
     assert g.shape == w.shape and np.isfinite(np.asarray(g)).all(), name
     assert _rel_err(g, w) < 1e-4, (name, _rel_err(g, w))
   assert not np.asarray(grads[0])[1, 7].any()  # the ReLU plateau row: no gradient through relu'(0)
+  if variant == "reference":  # rows counted: a valid block with at least one token
+    _, rows = indexer_loss(iq, ik, None, aq, ak, alse, blocks, with_row_count=True, **kw)
+    has_token = ((np.asarray(tokens) >= 0).any(-1) & (np.asarray(blocks) >= 0)).any(-1)
+    assert int(rows) == int(has_token.sum()) and not has_token[0, 9] and has_token[1, 7]
+
+
+@pytest.mark.parametrize("pool", ["sum", "max"])
+def test_block_form_under_a_context_mesh(pool):
+  """Rows (and their key_tokens) split over a 4-way context mesh: the same loss and gradients."""
+  (iq, ik, aq, ak, alse, blocks, tokens), scale = _block_form_inputs(np.random.default_rng(13), T=16)
+  f = lambda q, k: indexer_loss(q, k, None, aq, ak, alse, blocks, attn_scale=scale, index_scale=_INDEX_SCALE,
+                                key_tokens=tokens, key_pool=pool)
+  want = jax.value_and_grad(f, argnums=(0, 1))(iq, ik)
+  mesh = jax.make_mesh((4,), ("context",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(iq, ik)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  for g, w in zip(got[1], want[1]):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
 
 
 def test_block_form_with_one_token_per_block_is_the_sparse_form():
@@ -401,6 +423,7 @@ def test_block_form_with_one_token_per_block_is_the_sparse_form():
     (dict(key_tokens=jnp.zeros((_B, _T, _K, 4), jnp.float32)), "key_tokens", "key_tokens.dtype=float32"),
     (dict(key_tokens=jnp.zeros((_B, _T, _K + 1, 4), jnp.int32)), "key_tokens", "key_tokens.shape=(2, 4, 4, 4)"),
     (dict(key_tokens=jnp.zeros((_B, _T, _K), jnp.int32)), "key_tokens", "key_tokens.shape=(2, 4, 3)"),
+    (dict(key_tokens=jnp.zeros((_B, _T, _K, 0), jnp.int32)), "key_tokens", "empty axis"),
     (dict(key_tokens=jnp.zeros((_B, _T, _K, 4), jnp.int32), indices=None, attn_lse=None), "key_tokens",
      "needs indices"),
     (dict(key_tokens=jnp.zeros((_B, _T, _K, 4), jnp.int32), key_pool="mean"), "key_pool", "'mean'"),

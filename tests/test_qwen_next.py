@@ -92,15 +92,26 @@ def test_gated_gqa_matches_float64_oracle(documents):
   np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("documents", [False, True])
-def test_a_budget_covering_every_block_is_dense_causal_attention(documents):
-  layer = _layer(dataclasses.replace(_SMALL, index_topk=T // 4))
+@pytest.mark.parametrize("documents,pool", [(False, "sum"), (True, "sum"), (True, "max")])
+def test_a_budget_covering_every_block_is_dense_causal_attention(documents, pool):
+  layer = _layer(dataclasses.replace(_SMALL, index_topk=T // 4, indexer_pool=pool))
   positions, seg = _inputs(documents)
   sparse = layer(_x(2), positions, seg)
   dense = layer(_x(2), positions, seg, dense=True)
   np.testing.assert_allclose(sparse.out, dense.out, rtol=1e-5, atol=1e-6)
-  # ... and the block KL's sparse form over every visible block equals its dense form
+  # ... and the block KL's sparse form (ops.indexer_loss, block form) over every visible block
+  # equals its dense form, in value and in the indexer's gradients
   np.testing.assert_allclose(float(sparse.indexer_loss), float(dense.indexer_loss), rtol=1e-5)
+  graphdef, indexer_params, rest = nnx.split(layer, lambda path, _: "indexer" in path and "index_qk_proj" in path,
+                                             ...)
+
+  def loss(params, dense):
+    return nnx.merge(graphdef, params, rest)(_x(2), positions, seg, dense=dense).indexer_loss
+
+  for got, want in zip(jax.tree.leaves(jax.grad(loss)(indexer_params, False)),
+                       jax.tree.leaves(jax.grad(loss)(indexer_params, True))):
+    assert np.abs(np.asarray(want)).max() > 0
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
 
 
 def test_selection_is_causal_and_sized_by_the_budget():

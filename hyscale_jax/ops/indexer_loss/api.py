@@ -113,7 +113,7 @@ def indexer_loss(
     index_k: bf16|f32[B, S, DI] indexer keys.
     index_weights: bf16|f32[B, T, HI] indexer head weights, or None for all ones.
     attn_q: bf16|f32[B, T, H, Dk] attention queries (teacher, detached).
-    attn_k: bf16|f32[B, S, G, Dk] attention keys (teacher, detached).
+    attn_k: bf16|f32[B, S, G, Dk] attention keys (teacher, detached); [B, S_attn, G, Dk] in the block form.
     attn_lse: f32[B, T, H] attention LSE from `sparse_attention` (required in the sparse form).
     indices: int[B, T, K] the selection, or None for the dense form.
     attn_scale: the attention's logit scale.
@@ -125,7 +125,8 @@ def indexer_loss(
     with_row_count: also return how many rows the mean counted (over all shards under a context
       mesh), so that means over disjoint row sets combine as `sum_i n_i * mean_i / max(sum_i n_i, 1)`.
     key_tokens: int[B, T, K, P] the attention keys behind each selected index key (block form), or
-      None (index keys are attention keys).
+      None (index keys are attention keys). Entries are used as given (segment_ids do not apply):
+      the caller masks tokens of other documents with -1, as `layers.qsa.expand_blocks` does.
     key_pool: "sum" or "max": how the block form pools its attention keys' teacher masses.
     backend: "auto", "pallas" (sparse form only: the teacher from a Pallas kernel), "reference", or
       "xla_baseline" (sparse form only: the Megatron-style backward that rescores every key).
@@ -195,8 +196,11 @@ def _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indic
   H = attn_q.shape[2]
   if attn_q.shape[:2] != (B, T):
     raise ValueError(f"attn_q.shape={tuple(attn_q.shape)} must start with [B, T]={(B, T)} {where}.")
-  S_attn = S if key_tokens is None else attn_k.shape[1]  # the block form's attention keys are tokens
-  if attn_k.shape[:2] != (B, S_attn) or attn_k.shape[3] != attn_q.shape[3]:
+  if key_tokens is not None:  # the block form's attention keys are tokens, any number of them
+    if attn_k.shape[0] != B or attn_k.shape[3] != attn_q.shape[3]:
+      raise ValueError(f"attn_k.shape={tuple(attn_k.shape)} must be [B, S_attn, G, Dk]=({B}, S_attn, G, "
+                       f"{attn_q.shape[3]}) from attn_q.shape={tuple(attn_q.shape)}.")
+  elif attn_k.shape[:2] != (B, S) or attn_k.shape[3] != attn_q.shape[3]:
     raise ValueError(
         f"attn_k.shape={tuple(attn_k.shape)} must be [B, S, G, Dk]=({B}, {S}, G, {attn_q.shape[3]}) "
         f"from index_k.shape={tuple(index_k.shape)} and attn_q.shape={tuple(attn_q.shape)}."
