@@ -36,9 +36,10 @@ Budget (one H200, 10-minute calls): every program of the sweep is traced up fron
 `--compile-workers` threads before the first row runs (at real dims a compile takes 20-130 s; XLA
 autotunes on the device while compiling, so no row is timed during a compile). Measured:
 dsa 16K-128K with `--ablation --reps 2` in 7.2 min (2 of them waiting for the first compiles); csa
-and qsa 16K, 64K, 128K together in 6.2 min. T >= 256K: `--modes hyscale --no-breakdown --reps 0`
-(the checked first call is timed; a DSA step takes 20 s at 512K). `megatron_style` past 128K takes
-minutes per step (O(T^2) selection twice and a rescoring loss backward).
+and qsa 16K, 64K, 128K together in 6.2 min; qsa 16K-128K in 3.2 min. T >= 256K:
+`--modes hyscale --no-breakdown --reps 0` (the checked first call is timed; a DSA step takes 20 s
+at 512K and 51 s at 1M). `megatron_style` past 128K takes 18 s (DSA, 128K) to 20 s (QSA, 512K) per
+step (O(T^2) selection twice and a rescoring loss backward).
 """
 
 import argparse
