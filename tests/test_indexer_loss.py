@@ -429,10 +429,7 @@ def test_block_form_with_one_token_per_block_is_the_sparse_form():
     (dict(key_tokens=jnp.zeros((_B, _T, _K, 4), jnp.int32), key_pool="mean"), "key_pool", "'mean'"),
 ])
 def test_bad_block_form_raises_value_error(overrides, arg, fragment):
-  args = dict(_GOOD, **{k: v for k, v in overrides.items() if k != "key_pool"})
-  extra = dict(key_tokens=args.pop("key_tokens"))
-  if "key_pool" in overrides:
-    extra["key_pool"] = overrides["key_pool"]
+  args = dict(_GOOD, **{k: v for k, v in overrides.items() if k in _GOOD})
   with pytest.raises(ValueError, match=re.escape(arg)) as info:
-    _call(args, **extra)
+    _call(args, **{k: v for k, v in overrides.items() if k not in _GOOD})
   assert fragment in str(info.value), str(info.value)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -208,16 +207,15 @@ class QSAAttention(nnx.Module):
       tokens = expand_blocks(blocks, segment_ids, cfg.qsa_block)
     out, lse = ops.sparse_attention(q, k, v, tokens, scale=self.scale, backend=backend("sparse_attention"))
     loss = None
-    if cfg.indexer_frozen:
-      pass
-    elif dense:
-      loss = dense_block_indexer_loss(index_q, block_keys, q, k, segs, block=cfg.qsa_block, attn_scale=self.scale,
-                                      index_scale=self.indexer.score_scale, pool=cfg.indexer_pool)
-    else:
-      # The loss's support is the selected blocks; each block's teacher is its (segment-masked) tokens'.
-      loss = ops.indexer_loss(index_q, block_keys, None, q, k, lse, blocks, attn_scale=self.scale,
-                              index_scale=self.indexer.score_scale, key_tokens=block_tokens(tokens, cfg.qsa_block),
-                              key_pool=cfg.indexer_pool, grad_in_forward=cfg.indexer_loss_grad_in_forward,
-                              backend=backend("indexer_loss"))
+    if not cfg.indexer_frozen:
+      index_scale = self.indexer.score_scale
+      if dense:
+        loss = dense_block_indexer_loss(index_q, block_keys, q, k, segs, block=cfg.qsa_block, attn_scale=self.scale,
+                                        index_scale=index_scale, pool=cfg.indexer_pool)
+      else:  # the selected blocks; each block's teacher is its (segment-masked) tokens'
+        loss = ops.indexer_loss(index_q, block_keys, None, q, k, lse, blocks, attn_scale=self.scale,
+                                index_scale=index_scale, key_tokens=block_tokens(tokens, cfg.qsa_block),
+                                key_pool=cfg.indexer_pool, grad_in_forward=cfg.indexer_loss_grad_in_forward,
+                                backend=backend("indexer_loss"))
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
     return AttentionOutput(self.o_proj(out.reshape(B, T, -1)), blocks, loss)

@@ -148,12 +148,12 @@ def indexer_loss(
   def loss(row_offset, local, full, replicated, with_row_count=False):
     (index_q, index_weights, attn_q, attn_lse, indices, key_tokens, q_seg), (index_k, attn_k, kv_seg) = local, full
     (q_offset,) = replicated
-    block_form = {} if key_tokens is None else dict(key_tokens=key_tokens, key_pool=key_pool)
     return REGISTRY.run(
         names, index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices,
         attn_scale=float(attn_scale), index_scale=float(index_scale), compress_ratio=int(compress_ratio),
         q_offset=q_offset + row_offset, segment_ids=None if q_seg is None else (q_seg, kv_seg),
-        with_row_count=with_row_count, grad_in_forward=bool(grad_in_forward), **block_form,
+        with_row_count=with_row_count, grad_in_forward=bool(grad_in_forward), key_tokens=key_tokens,
+        key_pool=key_pool,
     )
 
   local = (index_q, index_weights, attn_q, attn_lse, indices, key_tokens, q_seg)

@@ -47,11 +47,12 @@ def teacher_mass_reference(
   return probs_from_lse(attention_logits_at(attn_q, attn_k, indices, scale), attn_lse).sum(axis=2)
 
 
-def _teacher_at(teacher, attn_q, attn_k, attn_lse, indices, key_tokens, scale):
+def _teacher_at(teacher, attn_q, attn_k, attn_lse, indices, key_tokens, valid, scale):
   """f32[B, t, K] teacher mass at each selected index key; `teacher` is (teacher_mass, pool).
 
-  Without `key_tokens` an index key is an attention key. With them (QSA), index key j stands for
-  the attention keys key_tokens[..., j, :], and its mass is the pool (sum or max) of theirs.
+  Without `key_tokens` an index key is an attention key (`teacher_mass` gives 0 at invalid
+  indices). With them (QSA), index key j stands for the attention keys key_tokens[..., j, :], and
+  its mass is the pool (sum or max) of theirs, 0 where index key j itself is invalid (`valid`).
   """
   teacher_mass, pool = teacher
   if key_tokens is None:
@@ -59,7 +60,8 @@ def _teacher_at(teacher, attn_q, attn_k, attn_lse, indices, key_tokens, scale):
   B, t, K, P = key_tokens.shape
   per_key = teacher_mass(attn_q, attn_k, attn_lse, key_tokens.reshape(B, t, K * P), scale=scale)
   per_key = per_key.reshape(B, t, K, P)
-  return per_key.max(axis=-1) if pool == "max" else per_key.sum(axis=-1)
+  pooled = per_key.max(axis=-1) if pool == "max" else per_key.sum(axis=-1)
+  return jnp.where(valid, pooled, 0.0)
 
 
 def _sparse_chunk(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens, scales, teacher):
@@ -67,7 +69,7 @@ def _sparse_chunk(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, ind
   index_scale, attn_scale = scales
   valid = valid_indices(indices, index_k.shape[1])
   logits = jnp.where(valid, index_scores_at(index_q, index_k, index_weights, indices, index_scale), -jnp.inf)
-  teacher = jnp.where(valid, _teacher_at(teacher, attn_q, attn_k, attn_lse, indices, key_tokens, attn_scale), 0.0)
+  teacher = _teacher_at(teacher, attn_q, attn_k, attn_lse, indices, key_tokens, valid, attn_scale)
   mass = teacher.sum(axis=-1)
   row_valid = valid.any(axis=-1) & (mass > 0)
   target = teacher / jnp.where(row_valid, mass, 1.0)[..., None]
