@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from configs import glm5_1
 from hyscale_jax import convert, models, ops
@@ -159,6 +159,17 @@ def test_shape_mismatch_names_tensor_and_shapes(tmp_path):
     convert.import_checkpoint(str(tmp_path / "ckpt"))
 
 
+def test_one_expert_of_the_wrong_shape_is_named(tmp_path):
+  shutil.copytree(FIXTURES / "glm_moe_dsa", tmp_path / "ckpt")
+  name = "model.layers.1.mlp.experts.2.up_proj.weight"
+  shard = tmp_path / "ckpt" / CheckpointReader(str(tmp_path / "ckpt")).weight_map[name]
+  tensors = load_file(str(shard))
+  tensors[name] = tensors[name][:-1]
+  save_file(tensors, str(shard), metadata={"format": "pt"})
+  with pytest.raises(convert.CheckpointMismatchError, match=r"experts\.0\.up_proj.*stack.*expert 2 has shape"):
+    convert.import_checkpoint(str(tmp_path / "ckpt"))
+
+
 def test_unsupported_config_value_is_named(tmp_path):
   shutil.copytree(FIXTURES / "glm_moe_dsa", tmp_path / "ckpt")
   config_path = tmp_path / "ckpt" / "config.json"
@@ -203,10 +214,11 @@ def test_import_streams_one_tensor_at_a_time(tmp_path):
   finally:
     tracemalloc.stop()
   # On CPU the placed arrays may alias host buffers (they are `placed`, at most the model). What is
-  # staged on top of them peaks at one stacked array and its sources, never the whole model.
+  # staged on top of them peaks at one array and its sources (2x for a transposed one, one expert
+  # beside a stack), never the whole model.
   staged = peak - placed
   assert total > 200 << 20 and placed <= total
-  assert largest_array <= staged < 4 * largest_array < total / 3, (staged, placed, total)
+  assert largest_array <= staged < 3 * largest_array < total / 4, (staged, placed, total)
 
 
 def test_cli_import_then_export_round_trips(tmp_path):

@@ -83,14 +83,21 @@ def load_weights(model: nnx.Module, directory: str, *, sharding: ShardingSpec = 
   values = {}
   for rule in rules:
     variable = flat[rule.ours]
-    value = rule.to_ours([reader.read(name) for name in rule.hf])
+    source = rule.hf[0] + (" (and the rest of its stack)" if len(rule.hf) > 1 else "")
+    target_name = "/".join(map(str, rule.ours))
+    try:
+      value = rule.to_ours(reader.read(name) for name in rule.hf)
+    except ValueError as e:
+      raise CheckpointMismatchError(f"{source} does not fit {target_name}: {e}.") from e
     if tuple(value.shape) != tuple(variable.shape):
       raise CheckpointMismatchError(
-          f"{rule.hf[0]}{' (and the rest of its stack)' if len(rule.hf) > 1 else ''} gives shape "
-          f"{tuple(value.shape)} for {'/'.join(map(str, rule.ours))}, which needs {tuple(variable.shape)}.")
+          f"{source} gives shape {tuple(value.shape)} for {target_name}, which needs {tuple(variable.shape)}.")
     value = value.astype(variable.dtype, copy=False)
     target = sharding_for(sharding, rule.ours, value.shape)
-    values[rule.ours] = jax.make_array_from_callback(value.shape, target, lambda index, v=value: v[index])
+    # Waiting for the copy keeps the stream honest: an async host-to-device copy would keep this
+    # host buffer alive while the next tensors are read, and the buffers would pile up.
+    values[rule.ours] = jax.make_array_from_callback(
+        value.shape, target, lambda index, v=value: v[index]).block_until_ready()
     del value
   nnx.update(model, nnx.from_flat_state({path: flat[path].replace(values[path]) for path in values}))
   return len(expected)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -69,26 +69,41 @@ _LM_HEAD = {"glm_moe_dsa": "lm_head.weight", "deepseek_v4": "head.weight", "qwen
 class TensorRule:
   """One array of ours and the checkpoint tensors it is made of.
 
-  `to_ours(list of arrays in `hf` order) -> array of `shape`` and `to_hf(array) -> list` are exact
-  inverses (transposes, stacks and reshapes only), so export then import is bit for bit.
+  `to_ours(iterator of arrays in `hf` order) -> array` and `to_hf(array) -> list` are exact
+  inverses (transposes, stacks and reshapes only), so export then import is bit for bit. `to_ours`
+  consumes its sources one at a time, so a stack never holds all of them beside its result.
   """
 
   ours: Path
   hf: tuple[str, ...]
-  to_ours: Callable[[list[np.ndarray]], np.ndarray]
+  to_ours: Callable[[Iterator[np.ndarray]], np.ndarray]
   to_hf: Callable[[np.ndarray], list[np.ndarray]]
 
 
 def _transpose(arrays):
-  return np.ascontiguousarray(arrays[0].T)
+  (array,) = arrays
+  return np.ascontiguousarray(array.T)
 
 
 def _copy(arrays):
-  return arrays[0]
+  (array,) = arrays
+  return array
 
 
-def _stack_transposed(arrays):
-  return np.ascontiguousarray(np.stack([a.T for a in arrays]))
+def _stack_transposed(shape: tuple[int, ...]) -> Callable[[Iterator[np.ndarray]], np.ndarray]:
+  """Fills one [E, in, out] array from E [out, in] tensors, each dropped once copied in."""
+
+  def stack(arrays):
+    stacked = None
+    for e, array in enumerate(arrays):
+      if array.T.shape != tuple(shape[1:]):
+        raise ValueError(f"expert {e} has shape {array.shape}, the stack needs {tuple(shape[1:])[::-1]} per expert")
+      if stacked is None:
+        stacked = np.empty(shape, array.dtype)
+      stacked[e] = array.T
+    return stacked
+
+  return stack
 
 
 def _rule_for(cfg: ModelConfig, path: Path, shape: tuple[int, ...]) -> TensorRule:
@@ -102,14 +117,14 @@ def _rule_for(cfg: ModelConfig, path: Path, shape: tuple[int, ...]) -> TensorRul
   if local.startswith("mlp.experts_"):
     template = _EXPERTS[arch][local.removeprefix("mlp.")]
     names = tuple(prefix + template.format(e=e) for e in range(shape[0]))
-    return TensorRule(path, names, _stack_transposed, lambda a: [x.T for x in a])
+    return TensorRule(path, names, _stack_transposed(shape), lambda a: [x.T for x in a])
   for pattern, replacement in _RENAMES[arch]:
     local = re.sub(pattern, replacement, local)
   leaf = local.rsplit(".", 1)[-1]
   if arch == "deepseek_v4" and local.endswith("attn.wo_a"):  # [G, in, o] <-> [G * o, in]
     g, fan_in, rank = shape
     return TensorRule(path, (prefix + local + ".weight",),
-                      lambda a: np.ascontiguousarray(a[0].reshape(g, rank, fan_in).transpose(0, 2, 1)),
+                      lambda a: np.ascontiguousarray(next(a).reshape(g, rank, fan_in).transpose(0, 2, 1)),
                       lambda a: [a.transpose(0, 2, 1).reshape(g * rank, fan_in)])
   if leaf == "kernel":
     return TensorRule(path, (prefix + local[: -len("kernel")] + "weight",), _transpose, lambda a: [a.T])
