@@ -80,14 +80,13 @@ class TensorRule:
   to_hf: Callable[[np.ndarray], list[np.ndarray]]
 
 
-def _transpose(arrays):
-  (array,) = arrays
-  return np.ascontiguousarray(array.T)
-
-
-def _copy(arrays):
+def _single(arrays):
   (array,) = arrays
   return array
+
+
+def _transpose(arrays):
+  return np.ascontiguousarray(_single(arrays).T)
 
 
 def _stack_transposed(shape: tuple[int, ...]) -> Callable[[Iterator[np.ndarray]], np.ndarray]:
@@ -124,13 +123,13 @@ def _rule_for(cfg: ModelConfig, path: Path, shape: tuple[int, ...]) -> TensorRul
   if arch == "deepseek_v4" and local.endswith("attn.wo_a"):  # [G, in, o] <-> [G * o, in]
     g, fan_in, rank = shape
     return TensorRule(path, (prefix + local + ".weight",),
-                      lambda a: np.ascontiguousarray(next(a).reshape(g, rank, fan_in).transpose(0, 2, 1)),
+                      lambda a: np.ascontiguousarray(_single(a).reshape(g, rank, fan_in).transpose(0, 2, 1)),
                       lambda a: [a.transpose(0, 2, 1).reshape(g * rank, fan_in)])
   if leaf == "kernel":
     return TensorRule(path, (prefix + local[: -len("kernel")] + "weight",), _transpose, lambda a: [a.T])
   if leaf in ("scale", "embedding"):
     local = local[: -len(leaf)] + "weight"
-  return TensorRule(path, (prefix + local,), _copy, lambda a: [a])
+  return TensorRule(path, (prefix + local,), _single, lambda a: [a])
 
 
 def tensor_rules(cfg: ModelConfig, flat_shapes: dict[Path, tuple[int, ...]]) -> list[TensorRule]:

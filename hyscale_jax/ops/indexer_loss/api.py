@@ -176,7 +176,7 @@ def indexer_loss(
 
 
 def _check_args(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, compress_ratio, q_offset,
-                segment_ids, key_tokens=None, key_pool="sum"):
+                segment_ids, key_tokens, key_pool):
   _checks.check_rank("index_q", index_q, 4, "B, T, HI, DI")
   _checks.check_rank("index_k", index_k, 3, "B, S, DI")
   _checks.check_rank("attn_q", attn_q, 4, "B, T, H, Dk")
