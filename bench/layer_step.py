@@ -10,9 +10,12 @@ Layers (the `full` configs, batch 1, bf16 parameters and activations):
 - `csa`: DeepSeek-V4-Flash CSA (d 4096, 64 heads of 512, window 128, ratio-4 entries, indexer 64 x 128,
   k = 512).
 - `qsa`: Qwen3.8-Flash-Next QSA (d 2560, 24 heads / 2 KV of 256, indexer 4 x 128, k = 512 blocks of 4).
+- `glm`: one whole GLM-5.1 decoder layer: the `dsa` block plus its MoE (256 routed experts of 2048,
+  top-8, one shared expert, grouped matmuls through `ops.grouped_matmul`), with both residuals.
 
-The block is RMSNorm -> attention (projections, indexer, selection, sparse attention, output
-projection) and its indexer loss; the MLP/MoE is excluded. The loss is `mean(out^2) + indexer_loss`,
+The `dsa`/`csa`/`qsa` block is RMSNorm -> attention (projections, indexer, selection, sparse attention,
+output projection) and its indexer loss; the MLP/MoE is excluded. `glm` is `models.DecoderLayer`
+itself (layer `first_k_dense`, the first MoE layer), and its breakdown has the MoE as its own part. The loss is `mean(out^2) + indexer_loss`,
 differentiated with respect to the block's parameters and its input, under `jax.checkpoint` with the
 mode's policy (as the decoder runs each layer). Modes (hyscale_jax/training/step_modes.py):
 `megatron_style`, `+flashtopk`, `+replay`, `hyscale`, and with `--ablation` one `+replay+<opt>`
@@ -67,12 +70,15 @@ from hyscale_jax.layers.compressed_attention import CompressedSparseAttention, w
 from hyscale_jax.layers.mla import MLASparseAttention  # noqa: E402
 from hyscale_jax.layers.qsa import QSAAttention, block_tokens, expand_blocks  # noqa: E402
 from hyscale_jax.model_config import ModelConfig  # noqa: E402
+from hyscale_jax.models import DecoderLayer  # noqa: E402
 from hyscale_jax.ops.flash_topk.api import REGISTRY as TOPK_REGISTRY  # noqa: E402
 from hyscale_jax.ops.sparse_attention.api import REGISTRY as ATTENTION_REGISTRY  # noqa: E402
 from hyscale_jax.training import step_modes  # noqa: E402
 from timing import CompileAhead, timed  # noqa: E402
 
-LAYERS = {"dsa": glm5_1, "csa": deepseek_v4_flash, "qsa": qwen3_8_flash_next}
+LAYERS = {"dsa": glm5_1, "csa": deepseek_v4_flash, "qsa": qwen3_8_flash_next, "glm": glm5_1}
+# The attention kind inside each layer kind (`glm` is a whole decoder layer around a `dsa` block).
+ATTENTION_KIND = {"dsa": "dsa", "csa": "csa", "qsa": "qsa", "glm": "dsa"}
 DEFAULT_SEQ = (16384, 32768, 65536, 131072, 262144, 524288, 1048576)
 PLOTS = "bench/plots"
 
@@ -109,7 +115,7 @@ def build_attention(kind: str, cfg: ModelConfig):
   return QSAAttention(cfg, rngs=rngs)
 
 
-class Block(nnx.Module):
+class AttentionBlock(nnx.Module):
   """RMSNorm -> attention; returns (out [B, T, D], indexer loss)."""
 
   def __init__(self, kind: str, cfg: ModelConfig):
@@ -119,9 +125,40 @@ class Block(nnx.Module):
 
   def __call__(self, x, backends):
     B, T, _ = x.shape
-    pos, seg = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), jnp.zeros((B, T), jnp.int32)
-    out = self.attn(self.norm(x), pos, seg, backends=backends)
+    out = self.attn(self.norm(x), *_positions_and_segments(B, T), backends=backends)
     return out.out, out.indexer_loss
+
+
+class LayerBlock(nnx.Module):
+  """A whole decoder layer (attention + MoE, `models.DecoderLayer`); returns (out [B, T, D], indexer loss).
+
+  `norm`/`attn` name the attention half as `AttentionBlock` does, and `moe_norm`/`moe` the MoE half,
+  so the parts are timed from the very weights the step uses.
+  """
+
+  def __init__(self, kind: str, cfg: ModelConfig):
+    rngs, layer = nnx.Rngs(1), cfg.first_k_dense  # the first MoE layer
+    self.layer = DecoderLayer(cfg, layer, MLASparseAttention(cfg, has_indexer=True, rngs=rngs), rngs=rngs)
+
+  norm = property(lambda self: self.layer.input_layernorm)
+  attn = property(lambda self: self.layer.self_attn)
+  moe_norm = property(lambda self: self.layer.post_attention_layernorm)
+  moe = property(lambda self: self.layer.mlp)
+
+  def __call__(self, x, backends):
+    B, T, _ = x.shape
+    out, _, indexer_loss, _ = self.layer(x, *_positions_and_segments(B, T), backends=backends)
+    return out, indexer_loss
+
+
+def Block(kind: str, cfg: ModelConfig) -> nnx.Module:
+  """The timed block of a layer kind: the attention block, or the whole decoder layer for `glm`."""
+  return LayerBlock(kind, cfg) if kind == "glm" else AttentionBlock(ATTENTION_KIND[kind], cfg)
+
+
+def _positions_and_segments(B: int, T: int):
+  """Positions 0..T-1 and one document per row: (i32[B, T], i32[B, T])."""
+  return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), jnp.zeros((B, T), jnp.int32)
 
 
 def step_fn(kind: str, mode: str, cfg: ModelConfig, graphdef):
@@ -207,6 +244,7 @@ def run_parts(kind, block, x, modes, call):
   abstract outputs) and timing (`call` runs the compiled program and returns real outputs), so both
   see the same programs. Every array is an argument of its program, never a closed-over constant.
   """
+  layer_kind, kind = kind, ATTENTION_KIND[kind]
   a, cfg = block.attn, block.attn.cfg
   block_graph, block_state = nnx.split(block)
   idx_graph, idx_state = nnx.split(a.indexer)
@@ -240,6 +278,13 @@ def run_parts(kind, block, x, modes, call):
         kind, vcfg, a, d, (iq, ik, iw), sel, lse, backend)
     call(f"loss_fwd{variant}", loss, *index, d, sel, lse)
     call(f"loss_fwd_bwd{variant}", jax.grad(loss, argnums=(0, 1)), *index, d, sel, lse)
+  if layer_kind == "glm":  # the MoE on the block's normed input (its own input has the same shape and dtype)
+    moe_graph, moe_state = nnx.split(block.moe)
+    backends = type("Backends", (), step_modes.settings(modes[-1])[0])
+    moe = lambda s, h: nnx.merge(moe_graph, s)(h, backends=backends)[0]
+    moe_loss = lambda s, h: jnp.mean(jnp.square(moe(s, h).astype(jnp.float32)))
+    call("moe_fwd", moe, moe_state, d["h"])
+    call("moe_fwd_bwd", jax.grad(moe_loss, argnums=(0, 1)), moe_state, d["h"])
 
 
 def loss_variant(kind, mode):
@@ -265,6 +310,9 @@ def breakdown(kind, mode, cfg, T, times, step_s):
       # forward + backward, plus the remat recompute's forward (fused: one forward-with-gradient).
       "indexer_loss": times[f"loss_fwd_bwd{variant}"] + (0.0 if fused else times[f"loss_fwd{variant}"]),
   }
+  if kind == "glm":  # every remat policy recomputes the MoE's forward in the backward pass
+    counts["moe"] = 2
+    parts["moe"] = times["moe_fwd_bwd"] + times["moe_fwd"]
   parts["other"] = step_s - sum(parts.values())
   return parts, counts
 
@@ -325,7 +373,8 @@ def ablation_applies(kind: str, T: int, mode: str, variant: str) -> bool:
 
 # The holistic config fields each layer kind reads.
 _LAYER_USES = {"dsa": {"indexer_loss_grad_in_forward", "attention_query_chunk"},
-               "csa": {"indexer_loss_grad_in_forward"}, "qsa": {"indexer_loss_grad_in_forward"}}
+               "csa": {"indexer_loss_grad_in_forward"}, "qsa": {"indexer_loss_grad_in_forward"},
+               "glm": {"indexer_loss_grad_in_forward", "attention_query_chunk"}}
 
 
 def plan_layer(kind, T, modes, args, programs):
@@ -510,7 +559,7 @@ def plot(args):
   rows = [r for r in latest_rows(data["rows"]) if isinstance(r["step_s"], float)]
   os.makedirs(args.plots, exist_ok=True)
   written = []
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+  fig, axes = plt.subplots(1, len(LAYERS), figsize=(5 * len(LAYERS), 4.2), sharey=True)
   for ax, kind in zip(axes, LAYERS):
     for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"] != "megatron_style"):
       pts = sorted((r["T"], r["speedup"]) for r in rows if r["layer"] == kind and r["mode"] == mode and r["speedup"]
@@ -529,14 +578,14 @@ def plot(args):
   fig.savefig(path, dpi=110)
   written.append(path)
   T = args.breakdown_seq
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+  fig, axes = plt.subplots(1, len(LAYERS), figsize=(5 * len(LAYERS), 4.5))
   for ax, kind in zip(axes, LAYERS):
     # Per mode the latest row that has a breakdown (a later --no-breakdown rerun has none).
     at = [r for r in latest_rows(r for r in data["rows"] if "parts_s" in r and isinstance(r["step_s"], float))
           if r["layer"] == kind and r["T"] == T]
     bottom = np.zeros(len(at))
-    for part in ("indexer_projections", "selection", "attention_fwd", "attention_bwd", "indexer_loss", "other"):
-      values = np.array([max(r["parts_s"][part], 0.0) * 1e3 for r in at])
+    for part in ("indexer_projections", "selection", "attention_fwd", "attention_bwd", "indexer_loss", "moe", "other"):
+      values = np.array([max(r["parts_s"].get(part, 0.0), 0.0) * 1e3 for r in at])
       ax.bar([r["mode"] for r in at], values, bottom=bottom, label=part)
       bottom += values
     # The parts are timed alone; where they sum past the step ("other" < 0) the tick shows the step.

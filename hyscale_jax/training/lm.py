@@ -198,7 +198,7 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
       row = metrics_writer.write(done, dict(
           **metrics, val_lm_loss=evaluate(state["params"], state["rest"], val, dense),
           stage=DENSE_STAGE if dense else SPARSE_STAGE, tokens_per_sec=window_steps * tokens_per_step / elapsed,
-          lr=training.main_lr(step), indexer_lr=training.indexer_lr(step)))
+          lr=training.main_lr(step), indexer_lr=training.indexer_lr(step), **memory.device_peak_metrics()))
       if tensorboard is not None:
         for key, value in row.items():
           if key != "step":

@@ -184,6 +184,15 @@ def device_memory_bytes(device: jax.Device | None = None) -> int | None:
     return None
 
 
+def device_peak_metrics(device: jax.Device | None = None) -> dict:
+  """{"device_peak_gb": the allocator's peak so far} on an accelerator; {} where it keeps no statistics."""
+  device = device or jax.local_devices()[0]
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if not stats or "peak_bytes_in_use" not in stats:
+    return {}
+  return {"device_peak_gb": stats["peak_bytes_in_use"] / 1e9}
+
+
 def preflight(cfg: ModelConfig, *, batch_size: int, seq_len: int, mesh_shape: dict, available: int | None,
               headroom: float = 1.0) -> MemoryEstimate:
   """Raises MemoryError, before compiling, when the estimate clearly exceeds `available` bytes.
@@ -233,4 +242,4 @@ def preflight(cfg: ModelConfig, *, batch_size: int, seq_len: int, mesh_shape: di
 
 
 __all__ = ["LAYER_TRANSIENT_COPIES", "LOGITS_COPIES", "MOE_EXPANSION_F32_COPIES", "MemoryEstimate",
-           "RUNTIME_RESERVE_BYTES", "moe_expansion_bytes", "device_memory_bytes", "estimate_training_memory", "preflight"]
+           "RUNTIME_RESERVE_BYTES", "moe_expansion_bytes", "device_memory_bytes", "device_peak_metrics", "estimate_training_memory", "preflight"]
