@@ -147,9 +147,10 @@ class QSAAttention(nnx.Module):
   NeoX RoPE. The indexer selects `index_topk` blocks of `qsa_block` tokens (`ops.flash_topk` with
   `weights=None`, `compress_ratio=qsa_block`); they expand to tokens plus the current partial
   block's tail (`index_topk * qsa_block + qsa_block - 1` indices) for one `ops.sparse_attention`
-  call with G = n_kv_heads groups. `dense=True` (the warm-up) attends every causal token. The
-  indexer learns from the block KL (`ops.indexer_loss` with `key_tokens`, pool `indexer_pool`; the
-  dense warm-up's `dense_block_indexer_loss`) unless `indexer_frozen`.
+  call with G = n_kv_heads groups. `dense=True` (the warm-up) attends every causal token through
+  `ops.causal_attention`. The indexer learns from the block KL (`ops.indexer_loss` with
+  `key_tokens`, pool `indexer_pool`; the dense warm-up's `dense_block_indexer_loss`) unless
+  `indexer_frozen`.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -197,15 +198,15 @@ class QSAAttention(nnx.Module):
     index_q, block_keys, block_seg = self.indexer(x, positions, segment_ids)
     segs = (segment_ids, block_seg)
     blocks = None
-    if dense:
-      tokens = jnp.where(st.key_visible(jnp.arange(T), jnp.arange(T), 1, segment_ids, segment_ids),
-                         jnp.arange(T), -1)  # [B, T, T]: every causal token (warm-up lengths)
+    if dense:  # every causal token of the document, streamed: nothing [T, T]
+      out = ops.causal_attention(q, k, v, scale=self.scale, segment_ids=segment_ids,
+                                 backend=backend("causal_attention"))
     else:
       blocks = ops.flash_topk(index_q, block_keys, None, topk=cfg.index_topk,
                               compress_ratio=cfg.qsa_block, scale=self.indexer.score_scale,
                               segment_ids=segs, backend=backend("flash_topk")).indices
       tokens = expand_blocks(blocks, segment_ids, cfg.qsa_block)
-    out, lse = ops.sparse_attention(q, k, v, tokens, scale=self.scale, backend=backend("sparse_attention"))
+      out, lse = ops.sparse_attention(q, k, v, tokens, scale=self.scale, backend=backend("sparse_attention"))
     loss = None
     if not cfg.indexer_frozen:
       index_scale = self.indexer.score_scale
