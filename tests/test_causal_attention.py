@@ -111,6 +111,19 @@ def test_reference_builds_nothing_t_by_t_forward_or_backward():
   assert any(sum(d >= T for d in x.aval.shape) >= 2 for e in equations(base) for x in e.outvars)
 
 
+def test_a_context_mesh_splits_the_queries_with_the_same_values_and_gradients():
+  q, k, v, seg = _inputs(np.random.default_rng(6), 2, 32, 4, 2, 8, 8, True)
+  loss = jax.jit(jax.value_and_grad(
+      lambda q, k, v: jnp.sum(ops.causal_attention(q, k, v, scale=0.5, segment_ids=seg) ** 2), (0, 1, 2)))
+  want = loss(q, k, v)
+  mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    assert "shard_map" in str(jax.make_jaxpr(loss)(q, k, v))
+    got = loss(q, k, v)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(q=np.zeros((2, 8, 4), np.float32)), "q must have rank 4"),
     (dict(k=np.zeros((2, 8, 2, 5), np.float32)), "k.shape"),
