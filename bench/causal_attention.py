@@ -14,6 +14,7 @@ at T 16K, N 64) and is skipped when they would pass `--baseline-gib`; an out-of-
 """
 
 import argparse
+import functools
 import json
 import sys
 
@@ -24,6 +25,7 @@ import numpy as np
 sys.path.insert(0, ".")
 sys.path.insert(0, "bench")
 from hyscale_jax import ops  # noqa: E402
+from hyscale_jax.ops.causal_attention.reference import attend_with_saved_residuals  # noqa: E402
 from timing import timed  # noqa: E402
 
 
@@ -37,11 +39,19 @@ def _inputs(T, N, K, H, Hv, dtype):
   return q, k, v, dout, seg
 
 
-def _step(backend, scale):
+def _step(backend, scale, blocks):
+  attention = functools.partial(ops.causal_attention, backend=backend)
+  if backend == "pallas" and blocks:  # the kernel with these tiles instead of Config.heuristics
+    from pallas_kernels import causal_attention as kernel  # noqa: PLC0415
+
+    config = kernel.Config(*blocks)
+    forward, backward = (functools.partial(f, config=config) for f in (
+        kernel.causal_attention_forward_pallas, kernel.causal_attention_backward_pallas))
+    attention = lambda q, k, v, **kw: attend_with_saved_residuals(forward, backward, q, k, v, q_offset=0, **kw)
+
   @jax.jit
   def step(q, k, v, dout, seg):
-    out, vjp = jax.vjp(lambda q, k, v: ops.causal_attention(q, k, v, scale=scale, segment_ids=seg,
-                                                            backend=backend), q, k, v)
+    out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, scale=scale, segment_ids=(seg, seg)), q, k, v)
     return (out, *vjp(dout))
 
   return step
@@ -55,6 +65,8 @@ def main(argv=None):
   parser.add_argument("--backends", nargs="+", default=["pallas", "reference", "xla_baseline"])
   parser.add_argument("--baseline-gib", type=float, default=100.0)
   parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--blocks", type=int, nargs=3, default=None, metavar=("BLOCK_Q", "BLOCK_K", "BLOCK_BWD"),
+                      help="pallas tiles instead of pallas_kernels.causal_attention.Config.heuristics")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in f32 (CPU)")
   parser.add_argument("--out", default=None, help="write the rows here as JSON")
   args = parser.parse_args(argv)
@@ -73,7 +85,7 @@ def main(argv=None):
       if backend == "xla_baseline" and N * T * T * 4 / 2**30 > args.baseline_gib:
         print(f"{backend:13s} T {T:6d}: skipped ([N, T, T] f32 logits = {N * T * T * 4 / 2**30:.0f} GiB)")
         continue
-      step = _step(backend, H**-0.5)
+      step = _step(backend, H**-0.5, args.blocks)
       try:
         seconds = timed(step, *inputs, reps=args.reps)
         out, dq, _, _ = step(*inputs)

@@ -44,15 +44,17 @@ class Config:
   num_stages: int = 2
 
   @classmethod
-  def heuristics(cls, head_dim: int) -> "Config":
-    """Forward tiles whose q, k and v blocks fit the H200's shared memory at head dim `head_dim`.
+  def heuristics(cls, head_dim: int, itemsize: int) -> "Config":
+    """The largest square forward tile whose q block plus double-buffered k and v blocks fit ~160 KiB of
+    shared memory (the H200 has 227 KiB), and backward tiles whose ~6 blocks do.
 
-    At 256 (padded) dims a 128-row bf16 tile is 64 KiB; q plus double-buffered k and v at 128 x 128
-    would need 320 KiB, so the tiles shrink to 64 x 64 (160 KiB).
+    bf16: 128 x 128 up to 128 dims, 64 x 64 at 256 (a 128-row tile of 256 dims is 64 KiB; q plus two
+    stages of k and v would need 320 KiB); f32 halves them. A prior from the tile sizes, not yet tuned.
     """
-    if _next_power_of_two(head_dim) >= 256:
-      return cls(block_q=64, block_k=64, block_bwd=32)
-    return cls()
+    row = _next_power_of_two(head_dim) * itemsize
+    block = next(b for b in (128, 64, 32, 16) if b == 16 or 5 * b * row <= 160 * 1024)
+    block_bwd = next(b for b in (32, 16) if b == 16 or 6 * b * row <= 160 * 1024)
+    return cls(block_q=block, block_k=block, block_bwd=block_bwd)
 
   def __post_init__(self):
     for name in ("block_q", "block_k", "block_bwd"):
@@ -124,7 +126,7 @@ def _kernel_inputs(q, k, v, seg, config):
 
 
 def _resolve(config, interpret, q, v):
-  config = config or Config.heuristics(max(q.shape[3], v.shape[3]))
+  config = config or Config.heuristics(max(q.shape[3], v.shape[3]), jnp.dtype(q.dtype).itemsize)
   return config, jax.default_backend() != "gpu" if interpret is None else interpret
 
 
