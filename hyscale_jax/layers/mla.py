@@ -30,9 +30,10 @@ class MLASparseAttention(nnx.Module):
 
   The sparse core runs in the absorbed (MQA) form: per head the query is
   `[W_UK^T q_nope (kv_lora) ; rope(q_pe)]` and every head shares one key `[c_kv ; rope(k_pe)]`
-  and one value `c_kv`, so a gathered key row serves all heads. Attribute names follow the HF
-  checkpoints (`q_a_proj`, `q_a_layernorm`, `q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`,
-  `kv_b_proj`, `o_proj`, `indexer`). Under IndexShare a layer without its own indexer reuses the
+  and one value `c_kv`, so a gathered key row serves all heads. The dense warm-up runs non-absorbed
+  (per-head keys and values from `kv_b_proj`): half the FLOPs when every key is attended. Attribute
+  names follow the HF checkpoints (`q_a_proj`, `q_a_layernorm`, `q_b_proj`, `kv_a_proj_with_mqa`,
+  `kv_a_layernorm`, `kv_b_proj`, `o_proj`, `indexer`). Under IndexShare a layer without its own indexer reuses the
   previous full layer's selection and owns no indexer weights.
   """
 
@@ -141,9 +142,11 @@ class MLASparseAttention(nnx.Module):
       x: [B, T, D] the normalised block input.
       positions: i32[B, T] positions within each packed document (RoPE).
       segment_ids: i32[B, T] document ids; nothing attends or selects across them.
-      dense: the warm-up stage: dense attention, dense indexer KL, no selection.
+      dense: the warm-up stage: dense attention in the non-absorbed form (`ops.causal_attention`,
+        streamed: nothing [T, T]), the dense indexer KL, no selection.
       shared_indices: the previous full layer's selection, for a layer without its own indexer.
-      backends: an object with `flash_topk`, `sparse_attention`, `indexer_loss` backend names.
+      backends: an object with `flash_topk`, `sparse_attention`, `indexer_loss`, `causal_attention`
+        backend names.
 
     Returns:
       AttentionOutput(out [B, T, D] in the module dtype, indices [B, T, K], indexer_loss).
