@@ -28,6 +28,9 @@ _SCRIPTS = {
     "layer_step": (["bench/layer_step.py", "--smoke", "--layers", "dsa", "--modes", "megatron_style", "hyscale"],
                    lambda data: len(data["rows"]) == 2 and all(_positive(r["step_s"]) for r in data["rows"])
                    and data["rows"][1]["check_ok"] and "parts_s" in data["rows"][1]),
+    "causal_attention": (["bench/causal_attention.py", "--smoke"],
+                         lambda data: len(data["rows"]) == 3 and all(_positive(r["ms"]) for r in data["rows"])
+                         and all(r["max_out_diff"] < 1e-4 for r in data["rows"][1:])),
     "model_step": (["bench/model_step.py", "--smoke", "--modes", "hyscale"],
                    lambda data: all(_positive(r.get("steps_per_s", -1.0)) for r in data["rows"])),
 }

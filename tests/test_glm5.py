@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from configs import glm5_1
-from hyscale_jax import models, remat
+from hyscale_jax import models, ops, remat
 from hyscale_jax.layers.mla import MLASparseAttention
 from hyscale_jax.model_config import ModelConfig
 
@@ -145,3 +145,21 @@ def test_unknown_model_config_key_is_named():
   config["index_topkk"] = 3
   with pytest.raises(ValueError, match="index_topkk"):
     ModelConfig.from_config(config)
+
+
+def test_dense_stage_equals_the_absorbed_dense_attention_it_replaced():
+  """The warm-up runs non-absorbed (per-head 16-dim keys and values here) through ops.causal_attention;
+  the old path was absorbed MQA attention over [c_kv ; k_pe] with the [T, T] logits, then W_UV."""
+  attention = MLASparseAttention(_SMALL, has_indexer=True, rngs=nnx.Rngs(0))
+  segment_ids = jnp.asarray([[0] * 7 + [1] * 10 + [2] * 7, [0] * 24])
+  positions = jnp.asarray([list(range(7)) + list(range(10)) + list(range(7)), list(range(24))])
+  x = jax.random.normal(jax.random.key(4), (B, T, _SMALL.d_model))
+  new = attention(x, positions, segment_ids, dense=True)
+  q, k, v, c_q, w_uv = attention._mqa_inputs(x, positions)
+  scale = _SMALL.attention_scale
+  latent = ops.causal_attention(q, k, v, scale=scale, segment_ids=segment_ids, backend="xla_baseline")
+  old = attention.o_proj(jnp.einsum("bthl,lhv->bthv", latent, w_uv).reshape(B, T, -1))
+  np.testing.assert_allclose(new.out, old, rtol=1e-5, atol=1e-6)
+  old_kl = ops.indexer_loss(*attention.indexer(x, c_q, positions), q, k, None, None, attn_scale=scale,
+                            index_scale=attention.indexer.score_scale, segment_ids=(segment_ids, segment_ids))
+  np.testing.assert_allclose(float(new.indexer_loss), float(old_kl), rtol=1e-5)

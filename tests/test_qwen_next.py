@@ -15,8 +15,10 @@ from hyscale_jax.layers.qsa import QSAAttention, dense_block_indexer_loss, expan
 from hyscale_jax.model_config import ModelConfig
 
 try:
+  from tests.jaxpr_tools import equations
   from tests.lm_runs import assert_trains_both_stages_and_resumes, small_lm_config
 except ImportError:  # tests/ itself is on sys.path
+  from jaxpr_tools import equations
   from lm_runs import assert_trains_both_stages_and_resumes, small_lm_config
 
 _SMALL = ModelConfig(
@@ -140,6 +142,26 @@ def test_block_kl_gradients_reach_only_the_indexer_inputs(pool):
   assert float(value) > 0
   assert np.abs(np.asarray(grads[0])).max() > 0 and np.abs(np.asarray(grads[1])).max() > 0
   assert not np.asarray(grads[2]).any() and not np.asarray(grads[3]).any()
+
+
+def test_dense_block_kl_streams_over_row_chunks_with_the_same_value_and_gradients():
+  layer = _layer()
+  positions, seg = _inputs(documents=True)
+  x = _x(5)
+  index_q, block_keys, block_seg = layer.indexer(x, positions, seg)
+  q, k, _, _ = layer.qkv_gate(x, positions)
+
+  def loss(index_q, block_keys, row_chunk):
+    return dense_block_indexer_loss(index_q, block_keys, q, k, (seg, block_seg), block=4, attn_scale=layer.scale,
+                                    index_scale=layer.indexer.score_scale, row_chunk=row_chunk)
+
+  whole = jax.value_and_grad(loss, (0, 1))(index_q, block_keys, T)
+  chunked = jax.value_and_grad(loss, (0, 1))(index_q, block_keys, 5)  # 5 does not divide T = 32
+  np.testing.assert_allclose(float(chunked[0]), float(whole[0]), rtol=1e-5)
+  for got, want in zip(chunked[1], whole[1]):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+  jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)), static_argnums=2)(index_q, block_keys, 5)
+  assert not [v.aval.shape for e in equations(jaxpr) for v in e.outvars if sum(d >= T for d in v.aval.shape) >= 2]
 
 
 def test_a_frozen_indexer_adds_no_loss():

@@ -25,32 +25,15 @@ class AttentionOutput(NamedTuple):
   indexer_loss: jax.Array | None
 
 
-def dense_causal_attention(q, k, v, segment_ids, scale):
-  """Dense softmax attention over causal keys of the same segment (the warm-up stage's attention).
-
-  It builds the [T, T] logits: use it for the dense warm-up at short lengths and as the
-  dense-equivalence oracle, not at long context.
-
-  Args:
-    q: [B, T, H, Dk]; k: [B, T, 1, Dk]; v: [B, T, 1, Dv]; segment_ids: i32[B, T].
-  Returns:
-    [B, T, H, Dv] in q.dtype.
-  """
-  T = q.shape[1]
-  logits = jnp.einsum("bthd,bsd->bhts", q, k[:, :, 0], preferred_element_type=jnp.float32) * scale
-  visible = jnp.tril(jnp.ones((T, T), bool))[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
-  probs = jax.nn.softmax(jnp.where(visible[:, None], logits, -jnp.inf), axis=-1)
-  return jnp.einsum("bhts,bsd->bthd", probs, v[:, :, 0].astype(jnp.float32)).astype(q.dtype)
-
-
 class MLASparseAttention(nnx.Module):
   """GLM-5 / DeepSeek-V3.2 attention: MLA projections, a lightning indexer, and sparse attention.
 
   The sparse core runs in the absorbed (MQA) form: per head the query is
   `[W_UK^T q_nope (kv_lora) ; rope(q_pe)]` and every head shares one key `[c_kv ; rope(k_pe)]`
-  and one value `c_kv`, so a gathered key row serves all heads. Attribute names follow the HF
-  checkpoints (`q_a_proj`, `q_a_layernorm`, `q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`,
-  `kv_b_proj`, `o_proj`, `indexer`). Under IndexShare a layer without its own indexer reuses the
+  and one value `c_kv`, so a gathered key row serves all heads. The dense warm-up runs non-absorbed
+  (per-head keys and values from `kv_b_proj`): half the FLOPs when every key is attended. Attribute
+  names follow the HF checkpoints (`q_a_proj`, `q_a_layernorm`, `q_b_proj`, `kv_a_proj_with_mqa`,
+  `kv_a_layernorm`, `kv_b_proj`, `o_proj`, `indexer`). Under IndexShare a layer without its own indexer reuses the
   previous full layer's selection and owns no indexer weights.
   """
 
@@ -84,23 +67,31 @@ class MLASparseAttention(nnx.Module):
     w_kv_b = self.kv_b_proj.kernel[...].reshape(L, cfg.n_heads, nope + cfg.v_head_dim)
     return w_kv_b[..., :nope], w_kv_b[..., nope:]
 
-  def _mqa_queries(self, x, positions, w_uk):
-    """Absorbed q [B, t, H, L+R] and latent c_q [B, t, q_lora] of query rows x [B, t, D] (row-local)."""
+  def _query_heads(self, x, positions):
+    """Per-head q_nope [B, t, H, nope], roped q_pe [B, t, H, R] and latent c_q [B, t, q_lora] of rows x."""
     cfg = self.cfg
     B, T, _ = x.shape
-    nope, R = cfg.qk_nope_dim, cfg.qk_rope_dim
+    nope = cfg.qk_nope_dim
     c_q = self.q_a_layernorm(self.q_a_proj(x))  # [B, T, q_lora]
-    q = self.q_b_proj(c_q).reshape(B, T, cfg.n_heads, nope + R)
-    q_pe = apply_rope(q[..., nope:], positions, theta=cfg.rope_theta, interleaved=True)
-    q_latent = jnp.einsum("bthn,lhn->bthl", q[..., :nope], w_uk.astype(q.dtype))  # [B, T, H, L]
+    q = self.q_b_proj(c_q).reshape(B, T, cfg.n_heads, nope + cfg.qk_rope_dim)
+    return q[..., :nope], apply_rope(q[..., nope:], positions, theta=cfg.rope_theta, interleaved=True), c_q
+
+  def _latent_keys(self, x, positions):
+    """The shared latent c_kv [B, T, L] and roped k_pe [B, T, R] of all T rows."""
+    L = self.cfg.kv_lora_rank
+    kv = self.kv_a_proj_with_mqa(x)  # [B, T, L + R]
+    return self.kv_a_layernorm(kv[..., :L]), apply_rope(kv[..., L:], positions, theta=self.cfg.rope_theta,
+                                                          interleaved=True)
+
+  def _mqa_queries(self, x, positions, w_uk):
+    """Absorbed q [B, t, H, L+R] and latent c_q [B, t, q_lora] of query rows x [B, t, D] (row-local)."""
+    q_nope, q_pe, c_q = self._query_heads(x, positions)
+    q_latent = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk.astype(q_nope.dtype))  # [B, T, H, L]
     return jnp.concatenate([q_latent, q_pe], axis=-1), c_q
 
   def _mqa_keys(self, x, positions):
     """Shared k [B, T, 1, L+R] and v [B, T, 1, L] (k's latent prefix) of all T rows."""
-    L = self.cfg.kv_lora_rank
-    kv = self.kv_a_proj_with_mqa(x)  # [B, T, L + R]
-    c_kv = self.kv_a_layernorm(kv[..., :L])  # [B, T, L]
-    k_pe = apply_rope(kv[..., L:], positions, theta=self.cfg.rope_theta, interleaved=True)
+    c_kv, k_pe = self._latent_keys(x, positions)
     return jnp.concatenate([c_kv, k_pe], axis=-1)[:, :, None, :], c_kv[:, :, None, :]
 
   def _mqa_inputs(self, x, positions):
@@ -109,6 +100,24 @@ class MLASparseAttention(nnx.Module):
     q, c_q = self._mqa_queries(x, positions, w_uk)
     k, v = self._mqa_keys(x, positions)
     return q, k, v, c_q, w_uv
+
+  def _dense_inputs(self, x, positions):
+    """The non-absorbed (per-head) q, k [B, T, H, nope+R], v [B, T, H, v_head_dim] and latent c_q.
+
+    The warm-up's dense attention runs in this form: kv_b_proj expands the latent into per-head
+    keys and values, so each (query, key) pair costs nope+R + v_head_dim (256 + 256 at GLM-5.1)
+    multiply-adds per head instead of the absorbed form's (L+R) + L (576 + 512), and the head dims
+    are ones a flash kernel tiles. `q . k` equals the absorbed form's logit exactly in real arithmetic.
+    """
+    cfg = self.cfg
+    B, T, _ = x.shape
+    H, nope, R = cfg.n_heads, cfg.qk_nope_dim, cfg.qk_rope_dim
+    q_nope, q_pe, c_q = self._query_heads(x, positions)
+    c_kv, k_pe = self._latent_keys(x, positions)
+    kv_heads = self.kv_b_proj(c_kv).reshape(B, T, H, nope + cfg.v_head_dim)
+    k_pe = jnp.broadcast_to(k_pe[:, :, None], (B, T, H, R)).astype(kv_heads.dtype)
+    k = jnp.concatenate([kv_heads[..., :nope], k_pe], axis=-1)  # [B, T, H, nope + R]
+    return jnp.concatenate([q_nope, q_pe], axis=-1), k, kv_heads[..., nope:], c_q
 
   def __call__(
       self,
@@ -133,9 +142,11 @@ class MLASparseAttention(nnx.Module):
       x: [B, T, D] the normalised block input.
       positions: i32[B, T] positions within each packed document (RoPE).
       segment_ids: i32[B, T] document ids; nothing attends or selects across them.
-      dense: the warm-up stage: dense attention, dense indexer KL, no selection.
+      dense: the warm-up stage: dense attention in the non-absorbed form (`ops.causal_attention`,
+        streamed: nothing [T, T]), the dense indexer KL, no selection.
       shared_indices: the previous full layer's selection, for a layer without its own indexer.
-      backends: an object with `flash_topk`, `sparse_attention`, `indexer_loss` backend names.
+      backends: an object with `flash_topk`, `sparse_attention`, `indexer_loss`, `causal_attention`
+        backend names.
 
     Returns:
       AttentionOutput(out [B, T, D] in the module dtype, indices [B, T, K], indexer_loss).
@@ -149,14 +160,15 @@ class MLASparseAttention(nnx.Module):
     scale = cfg.attention_scale
     backend = lambda name: getattr(backends, name, "auto") if backends is not None else "auto"
     if dense:
-      q, k, v, c_q, w_uv = self._mqa_inputs(x, positions)
-      out, indexer_loss = dense_causal_attention(q, k, v, segment_ids, scale), None
-      if self.indexer is not None:
+      q, k, v, c_q = self._dense_inputs(x, positions)
+      out = ops.causal_attention(q, k, v, scale=scale, segment_ids=segment_ids,
+                                 backend=backend("causal_attention"))  # [B, T, H, v_head_dim]
+      indexer_loss = None
+      if self.indexer is not None:  # the same logits as the absorbed form's, streamed over key chunks
         indexer_loss = ops.indexer_loss(*self.indexer(x, c_q, positions), q, k, None, None, attn_scale=scale,
                                         index_scale=self.indexer.score_scale,
                                         segment_ids=(segment_ids, segment_ids), backend=backend("indexer_loss"))
-      heads = jnp.einsum("bthl,lhv->bthv", out, w_uv.astype(out.dtype))  # [B, T, H, v_head_dim]
-      return AttentionOutput(self.o_proj(heads.reshape(B, T, -1)), None, indexer_loss)
+      return AttentionOutput(self.o_proj(out.reshape(B, T, -1)), None, indexer_loss)
     if self.indexer is None and shared_indices is None:
       raise ValueError("a layer without its own indexer needs shared_indices from a full layer.")
     chunk = cfg.query_chunk(T)

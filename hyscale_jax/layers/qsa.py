@@ -49,7 +49,7 @@ def block_tokens(tokens: Int[Array, "B T W"], block: int) -> Int[Array, "B T K b
 
 
 def _block_kl(teacher_blocks, student_logits, support, pool: str):
-  """Mean over counted rows of KL(pool(teacher) normalised || softmax(student)) on `support`."""
+  """(sum over counted rows, i32 count) of KL(pool(teacher) normalised || softmax(student)) on `support`."""
   pooled = teacher_blocks.max(-1) if pool == "max" else teacher_blocks.sum(-1)  # [B, T, N]
   pooled = jnp.where(support, pooled, 0.0)
   mass = pooled.sum(-1, keepdims=True)
@@ -57,7 +57,11 @@ def _block_kl(teacher_blocks, student_logits, support, pool: str):
   log_q = jax.nn.log_softmax(jnp.where(support, student_logits, -jnp.inf), axis=-1)
   kl = jnp.where(p > 0, p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_q), 0.0).sum(-1)
   rows = (mass[..., 0] > 0) & support.any(-1)
-  return jnp.sum(jnp.where(rows, kl, 0.0)) / jnp.maximum(rows.sum(), 1)
+  return jnp.sum(jnp.where(rows, kl, 0.0)), rows.sum(dtype=jnp.int32)
+
+
+# Rows per step of the dense block KL: as many as keep its [B, rows, H, T] f32 logits near this size.
+_DENSE_KL_BYTES = 256 * 2**20
 
 
 def dense_block_indexer_loss(
@@ -71,28 +75,47 @@ def dense_block_indexer_loss(
     attn_scale: float,
     index_scale: float,
     pool: str = "sum",
+    row_chunk: int | None = None,
 ) -> Float[Array, ""]:
   """QSA's block-level indexer KL over every visible block: the dense warm-up's form.
 
   The community recipe of architectures.md §4.3 (Qwen's is private). Teacher: the main attention's
   probabilities averaged over heads, pooled over each block's `block` tokens (`sum` or `max`),
   L1-normalised over the visible blocks (b+1)*block <= t+1 of t's document; detached. Student:
-  `softmax(S_t)` with the weight-free block score `S = index_scale * sum_j relu(<q_j, K_b>)`. It
-  builds the [T, T] attention, so use it at warm-up lengths; the sparse form (the selected blocks)
-  is `ops.indexer_loss` with `key_tokens`. Gradients reach only index_q and block_keys.
+  `softmax(S_t)` with the weight-free block score `S = index_scale * sum_j relu(<q_j, K_b>)`. The
+  sparse form (the selected blocks) is `ops.indexer_loss` with `key_tokens`. Gradients reach only
+  index_q and block_keys.
+
+  Rows are independent, so they run `row_chunk` at a time (default: as many as keep the
+  [B, rows, H, T] f32 logits near 256 MiB), each rematerialised in the backward: memory is
+  O(rows * T), never [T, T]. Each row still scores all T keys, the masked half included: about
+  twice the causal FLOPs, on the warm-up's detached teacher only.
   """
   attn_q, attn_k = jax.lax.stop_gradient((attn_q, attn_k))
   B, T, H, _ = attn_q.shape
   G, N = attn_k.shape[2], block_keys.shape[1]
   q_seg, block_seg = segment_ids
-  visible_tok = st.key_visible(jnp.arange(T), jnp.arange(T), 1, q_seg, q_seg)  # [B, T, T]
-  logits = jnp.einsum("btgrd,bsgd->btgrs", attn_q.reshape(B, T, G, H // G, -1), attn_k,
-                      preferred_element_type=jnp.float32) * attn_scale
-  probs = jax.nn.softmax(jnp.where(visible_tok[:, :, None, None], logits, -jnp.inf), axis=-1)
-  probs = jnp.where(visible_tok, probs.reshape(B, T, H, T).mean(2), 0.0)[..., : N * block]
-  student = index_scores(index_q, block_keys, None, index_scale)
-  support = st.key_visible(jnp.arange(T), jnp.arange(N), block, q_seg, block_seg)
-  return _block_kl(probs.reshape(B, T, N, block), student, support, pool)
+  rows = row_chunk or max(1, min(T, _DENSE_KL_BYTES // (4 * B * H * T)))
+  split, _ = st.row_chunks(rows, T)
+  # Every row chunk adds to block_keys' gradient: sum it in f32, not in the keys' dtype.
+  keys = st.summed_in_f32(block_keys)
+
+  def chunk_kl(xs):
+    index_q, attn_q, q_seg_rows, start = xs
+    q_pos = start + jnp.arange(index_q.shape[1])
+    visible_tok = st.key_visible(q_pos, jnp.arange(T), 1, q_seg_rows, q_seg)  # [B, rows, T]
+    logits = jnp.einsum("btgrd,bsgd->btgrs", attn_q.reshape(*attn_q.shape[:2], G, H // G, -1), attn_k,
+                        preferred_element_type=jnp.float32) * attn_scale
+    probs = jax.nn.softmax(jnp.where(visible_tok[:, :, None, None], logits, -jnp.inf), axis=-1)
+    probs = jnp.where(visible_tok, probs.reshape(*visible_tok.shape[:2], H, T).mean(2), 0.0)[..., : N * block]
+    student = index_scores(index_q, keys(), None, index_scale)  # [B, rows, N]
+    support = st.key_visible(q_pos, jnp.arange(N), block, q_seg_rows, block_seg) & (q_pos < T)[:, None]
+    return _block_kl(probs.reshape(*probs.shape[:2], N, block), student, support, pool)
+
+  starts = jnp.arange(st.cdiv(T, rows), dtype=jnp.int32) * rows
+  kl_sums, counted = jax.lax.map(jax.checkpoint(chunk_kl),
+                                 (split(index_q), split(attn_q), split(q_seg, -1), starts))
+  return kl_sums.sum() / jnp.maximum(counted.sum(), 1)
 
 
 class QSAIndexer(nnx.Module):
@@ -147,9 +170,10 @@ class QSAAttention(nnx.Module):
   NeoX RoPE. The indexer selects `index_topk` blocks of `qsa_block` tokens (`ops.flash_topk` with
   `weights=None`, `compress_ratio=qsa_block`); they expand to tokens plus the current partial
   block's tail (`index_topk * qsa_block + qsa_block - 1` indices) for one `ops.sparse_attention`
-  call with G = n_kv_heads groups. `dense=True` (the warm-up) attends every causal token. The
-  indexer learns from the block KL (`ops.indexer_loss` with `key_tokens`, pool `indexer_pool`; the
-  dense warm-up's `dense_block_indexer_loss`) unless `indexer_frozen`.
+  call with G = n_kv_heads groups. `dense=True` (the warm-up) attends every causal token through
+  `ops.causal_attention`. The indexer learns from the block KL (`ops.indexer_loss` with
+  `key_tokens`, pool `indexer_pool`; the dense warm-up's `dense_block_indexer_loss`) unless
+  `indexer_frozen`.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -197,15 +221,15 @@ class QSAAttention(nnx.Module):
     index_q, block_keys, block_seg = self.indexer(x, positions, segment_ids)
     segs = (segment_ids, block_seg)
     blocks = None
-    if dense:
-      tokens = jnp.where(st.key_visible(jnp.arange(T), jnp.arange(T), 1, segment_ids, segment_ids),
-                         jnp.arange(T), -1)  # [B, T, T]: every causal token (warm-up lengths)
+    if dense:  # every causal token of the document, streamed: nothing [T, T]
+      out = ops.causal_attention(q, k, v, scale=self.scale, segment_ids=segment_ids,
+                                 backend=backend("causal_attention"))
     else:
       blocks = ops.flash_topk(index_q, block_keys, None, topk=cfg.index_topk,
                               compress_ratio=cfg.qsa_block, scale=self.indexer.score_scale,
                               segment_ids=segs, backend=backend("flash_topk")).indices
       tokens = expand_blocks(blocks, segment_ids, cfg.qsa_block)
-    out, lse = ops.sparse_attention(q, k, v, tokens, scale=self.scale, backend=backend("sparse_attention"))
+      out, lse = ops.sparse_attention(q, k, v, tokens, scale=self.scale, backend=backend("sparse_attention"))
     loss = None
     if not cfg.indexer_frozen:
       index_scale = self.indexer.score_scale

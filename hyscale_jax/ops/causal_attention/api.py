@@ -1,0 +1,107 @@
+"""`causal_attention`: dense causal softmax attention (GQA/MQA, packed segments) without [T, T] arrays."""
+
+from __future__ import annotations
+
+import functools
+
+from jaxtyping import Array, Float, Int
+
+from hyscale_jax.ops import _checks, _context
+from hyscale_jax.ops._registry import Backend, BackendRegistry
+from hyscale_jax.ops.causal_attention.reference import (
+    attend_with_saved_residuals,
+    causal_attention_reference,
+    causal_attention_xla_baseline,
+)
+
+REGISTRY = BackendRegistry(
+    "causal_attention",
+    {"reference": causal_attention_reference, "xla_baseline": causal_attention_xla_baseline},
+    auto_order={"gpu": ("pallas", "reference"), "default": ("reference",)},
+)
+# JAX's Triton flash-attention kernel (forward and backward), behind the shared residual-saving vjp.
+REGISTRY.register_optional(
+    "pallas", "pallas_kernels.causal_attention",
+    ("causal_attention_forward_pallas", "causal_attention_backward_pallas"),
+    wrap=lambda forward, backward: functools.partial(attend_with_saved_residuals, forward, backward))
+
+
+def causal_attention(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B T K H"],
+    v: Float[Array, "B T K Hv"],
+    *,
+    scale: float,
+    segment_ids: Int[Array, "B T"] | tuple[Int[Array, "B T"], Int[Array, "B T"]] | None = None,
+    backend: Backend = "auto",
+) -> Float[Array, "B T N Hv"]:
+  """Softmax attention of each token over every earlier token (itself included) of its segment.
+
+  Query head n reads key/value head `n // (N // K)` (K = 1 is MQA). Logits, softmax and the value
+  sum are f32; the output is in q's dtype. Differentiable in q, k and v. The `reference` and
+  `pallas` backends stream over key blocks (flash attention): no [T, T] array in the forward or
+  the backward, which recomputes the probabilities from the saved `out` and `lse` (tagged
+  `remat.ATTENTION_OUT` / `remat.ATTENTION_LSE`, so `"selection_replay"` keeps them).
+  `xla_baseline` builds the [B, N, T, T] logits (the old warm-up path; short lengths only).
+
+  Under a mesh with a `context` axis (`jax.set_mesh`), the queries are split over it and k, v
+  all-gathered, as in `sparse_attention`.
+
+  Args:
+    q: bf16|f32[B, T, N, H] queries.
+    k: bf16|f32[B, T, K, H] keys.
+    v: bf16|f32[B, T, K, Hv] values.
+    scale: logit scale (static Python float).
+    segment_ids: int[B, T] document ids (nothing attends across them), or a pair (q_seg, kv_seg)
+      of int[B, T] (query t sees key s when q_seg[t] == kv_seg[s]), or None (one document).
+    backend: "auto" (on GPU "pallas", then "reference"), "pallas", "reference" or "xla_baseline".
+
+  Returns:
+    [B, T, N, Hv] in q.dtype. A query that sees no key (possible only with a pair of segment ids)
+    gets 0 and zero gradients; never NaN.
+
+  Raises:
+    ValueError: on a wrong rank, mismatched batch/length/head/dim sizes, N not divisible by K,
+      non-float inputs or non-integer segment ids.
+  """
+  q_seg, kv_seg = _check_args(q, k, v, scale, segment_ids)
+  names = REGISTRY.candidates(backend)
+
+  def attend(row_offset, local, full, replicated):
+    del replicated
+    (q, q_seg), (k, v, kv_seg) = local, full
+    segments = None if q_seg is None else (q_seg, kv_seg)
+    return REGISTRY.run(names, q, k, v, scale=float(scale), q_offset=row_offset, segment_ids=segments)
+
+  mesh = _context.context_mesh()
+  if mesh is None:
+    return attend(0, (q, q_seg), (k, v, kv_seg), ())
+  # Context parallelism: this device's queries against all-gathered keys and values.
+  return _context.run_sequence_sharded(attend, mesh, sharded=(q, q_seg), gathered=(k, v, kv_seg), n_out=1)
+
+
+def _check_args(q, k, v, scale, segment_ids):
+  """Validates the call; returns (q_seg, kv_seg), the same array twice for a single [B, T] array."""
+  _checks.check_rank("q", q, 4, "B, T, N, H")
+  _checks.check_rank("k", k, 4, "B, T, K, H")
+  _checks.check_rank("v", v, 4, "B, T, K, Hv")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    _checks.check_float(name, x)
+  B, T, N, H = q.shape
+  if k.shape[:2] != (B, T) or k.shape[3] != H:
+    raise ValueError(f"k.shape={tuple(k.shape)} must be [B, T, K, H] with (B, T, H)={(B, T, H)} from {q.shape=}.")
+  if v.shape[:3] != k.shape[:3]:
+    raise ValueError(f"v.shape={tuple(v.shape)} must match k.shape={tuple(k.shape)} in [B, T, K].")
+  if N % k.shape[2]:
+    raise ValueError(f"q heads N={N} must be divisible by k heads K={k.shape[2]} ({q.shape=}, {k.shape=}).")
+  _checks.check_static_float("scale", scale)
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    _checks.check_segment_ids(segment_ids, B, T, T)
+    return tuple(segment_ids)
+  _checks.check_rank("segment_ids", segment_ids, 2, "B, T")
+  _checks.check_int("segment_ids", segment_ids)
+  if tuple(segment_ids.shape) != (B, T):
+    raise ValueError(f"segment_ids.shape={tuple(segment_ids.shape)} must be [B, T]={(B, T)} from {q.shape=}.")
+  return segment_ids, segment_ids

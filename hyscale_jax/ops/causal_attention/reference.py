@@ -1,0 +1,185 @@
+"""Pure-jnp backends of `causal_attention`: a streaming (flash-style) reference and the dense baseline."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from hyscale_jax.ops import _streaming as st
+from hyscale_jax.ops.sparse_attention.vjp import attention_with_saved_residuals
+
+# Rows x keys of one step: [B, block_q, N, key_chunk] f32 logits (and, in the backward, p, dp, ds)
+# are 128 MiB per sequence at N = 64 heads, and a 64K sequence takes ~4K steps.
+QUERY_BLOCK = 512
+KEY_CHUNK = 1024
+
+
+def causal_attention_reference(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B S K H"],
+    v: Float[Array, "B S K Hv"],
+    *,
+    scale: float,
+    q_offset: int | Int[Array, ""] = 0,
+    segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
+    query_block: int = QUERY_BLOCK,
+    key_chunk: int = KEY_CHUNK,
+) -> Float[Array, "B T N Hv"]:
+  """Causal attention streamed over key chunks with an online softmax; nothing is [T, S].
+
+  Query blocks run one after another; each visits only the key chunks that hold a key visible to
+  it (about half of them), so memory is O(block_q * key_chunk) per head beyond the inputs. The
+  custom_vjp saves `out` and `lse` (tagged for remat) and its backward streams the same way,
+  recomputing each step's probabilities.
+
+  Args:
+    q: bf16|f32[B, T, N, H]; k: bf16|f32[B, S, K, H]; v: bf16|f32[B, S, K, Hv] (N divisible by K).
+    scale: logit scale.
+    q_offset: absolute position of query row 0 (key s is at position s).
+    segment_ids: (q_seg int[B, T], kv_seg int[B, S]) or None.
+    query_block, key_chunk: rows and keys per step.
+
+  Returns:
+    [B, T, N, Hv] in q.dtype (f32 logits, softmax and sums); a row that sees no key gives 0.
+  """
+  blocks = dict(query_block=min(query_block, q.shape[1]), key_chunk=min(key_chunk, k.shape[1]))
+  return attend_with_saved_residuals(functools.partial(_forward, **blocks), functools.partial(_backward, **blocks),
+                                     q, k, v, scale=scale, q_offset=q_offset, segment_ids=segment_ids)
+
+
+def attend_with_saved_residuals(forward, backward, q, k, v, *, scale, q_offset, segment_ids):
+  """A backend from its forward and backward, through `sparse_attention`'s residual-saving vjp.
+
+  The mask travels as the glue's `indices`: (q_offset, q_seg, kv_seg), passed to `forward` as given
+  (a Python int offset stays one, so a backend can tell a static 0).
+
+  Args:
+    forward: `(q, k, v, mask, *, scale, sinks) -> (out, lse f32[B, T, N])`.
+    backward: `((q, k, v, mask, sinks, out, lse), (dout, dlse), *, scale) -> (dq, dk, dv, None)`.
+  """
+  mask = (q_offset, *(segment_ids if segment_ids is not None else (None, None)))
+  out, _ = attention_with_saved_residuals(forward, backward, q, k, v, mask, scale=float(scale))
+  return out
+
+
+def causal_attention_xla_baseline(q, k, v, *, scale, q_offset=0, segment_ids=None):
+  """The dense baseline: materialises the [B, N, T, S] f32 logits and softmax (short lengths only).
+
+  Same arguments and result as `causal_attention_reference`; XLA differentiates it.
+  """
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
+  visible = st.key_visible(q_offset + jnp.arange(T), jnp.arange(S), 1, q_seg, kv_seg)  # [B|1, T, S]
+  logits = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, T, K, N // K, H), k,
+                      preferred_element_type=jnp.float32) * scale
+  logits = jnp.where(visible[:, None, None], logits, -jnp.inf)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+  out = jnp.einsum("bkgts,bskv->btkgv", p, v.astype(jnp.float32))
+  return out.reshape(B, T, N, -1).astype(q.dtype)
+
+
+def _blocked(q, k, v, mask, query_block, key_chunk):
+  """Queries as [nq, B, bq, K, G, H] blocks, keys/values as [nk, B, bk, K, ...] chunks, masks alike."""
+  B, T, N, H = q.shape
+  K = k.shape[2]
+  q_offset, q_seg, kv_seg = mask
+  qb = st.to_blocks(q.reshape(B, T, K, N // K, H), 1, query_block)
+  kb, vb = st.to_blocks(k, 1, key_chunk), st.to_blocks(v, 1, key_chunk)
+  split = lambda s, block: None if s is None else st.to_blocks(s, 1, block)
+  return qb, kb, vb, split(q_seg, query_block), split(kv_seg, key_chunk)
+
+
+def _chunk_logits(q_blk, q_seg_blk, q_pos, kb, kv_segb, j, *, S, scale):
+  """(f32 logits [B, bq, K, G, bk] with -inf at invisible keys, visible [B|1, bq, 1, 1, bk], k_j, j's keys)."""
+  k_c = kb[j]
+  key_chunk = k_c.shape[1]
+  k_pos = j * key_chunk + jnp.arange(key_chunk)
+  kv_seg_c = None if kv_segb is None else kv_segb[j]
+  visible = st.key_visible(q_pos, k_pos, 1, q_seg_blk, kv_seg_c) & (k_pos < S)  # padded keys never count
+  visible = visible[:, :, None, None, :]
+  logits = jnp.einsum("bqkgh,bskh->bqkgs", q_blk, k_c, preferred_element_type=jnp.float32) * scale
+  return jnp.where(visible, logits, -jnp.inf), visible, k_c
+
+
+def _forward(q, k, v, mask, *, scale, sinks=None, query_block, key_chunk):
+  """(out [B, T, N, Hv] in q.dtype, lse f32[B, T, N]; -inf where a row sees nothing)."""
+  del sinks  # the shared custom_vjp glue passes it; this op has none
+  B, T, N, _ = q.shape
+  S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
+  qb, kb, vb, q_segb, kv_segb = _blocked(q, k, v, mask, query_block, key_chunk)
+  q_offset = jnp.asarray(mask[0], jnp.int32)
+
+  def query_rows(xs):
+    i, q_blk, q_seg_blk = xs
+    q_pos = q_offset + i * query_block + jnp.arange(query_block)
+    n_chunks = st.visible_key_chunks(q_pos[-1], 1, key_chunk, kb.shape[0])
+
+    def step(j, carry):
+      m, l, acc = carry
+      logits, _, _ = _chunk_logits(q_blk, q_seg_blk, q_pos, kb, kv_segb, j, S=S, scale=scale)
+      m_new = jnp.maximum(m, logits.max(-1))
+      m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no visible key yet: avoid inf - inf
+      p = jnp.exp(logits - m_safe[..., None])
+      correction = jnp.exp(m - m_safe)
+      pv = jnp.einsum("bqkgs,bskv->bqkgv", p, vb[j].astype(jnp.float32))
+      return m_new, l * correction + p.sum(-1), acc * correction[..., None] + pv
+
+    shape = q_blk.shape[:-1]
+    init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, Hv)))
+    m, l, acc = jax.lax.fori_loop(0, n_chunks, step, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return out.astype(q.dtype), lse
+
+  out, lse = jax.lax.map(query_rows, (jnp.arange(qb.shape[0]), qb, q_segb))
+  out = st.from_blocks(out, 1, T).reshape(B, T, N, Hv)
+  return out, st.from_blocks(lse, 1, T).reshape(B, T, N)
+
+
+def _backward(residuals, cotangents, *, scale, query_block, key_chunk):
+  """(dq, dk, dv, None): FlashAttention-2's backward, one pass over query blocks and their key chunks.
+
+  `lse` is not an output of the op, so its cotangent is zero and ignored. dq of a block is summed
+  over its key chunks; dk and dv are summed over the query blocks in f32 carries [nk, B, bk, K, ...].
+  """
+  q, k, v, mask, _, out, lse = residuals
+  dout = cotangents[0]
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  qb, kb, vb, q_segb, kv_segb = _blocked(q, k, v, mask, query_block, key_chunk)
+  q_offset = jnp.asarray(mask[0], jnp.int32)
+  to_q_blocks = lambda x: st.to_blocks(x.reshape(B, T, K, N // K, *x.shape[3:]), 1, query_block)
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
+  lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # a row with no key: every p below is masked to 0
+
+  def query_rows(dkv, xs):
+    i, q_blk, q_seg_blk, do_blk, lse_blk, delta_blk = xs
+    q_pos = q_offset + i * query_block + jnp.arange(query_block)
+    n_chunks = st.visible_key_chunks(q_pos[-1], 1, key_chunk, kb.shape[0])
+    do_blk = do_blk.astype(jnp.float32)
+
+    def step(j, carry):
+      dq, dk, dv = carry
+      logits, visible, k_c = _chunk_logits(q_blk, q_seg_blk, q_pos, kb, kv_segb, j, S=S, scale=scale)
+      p = jnp.where(visible, jnp.exp(logits - lse_blk[..., None]), 0.0)  # [B, bq, K, G, bk]
+      dp = jnp.einsum("bqkgv,bskv->bqkgs", do_blk, vb[j].astype(jnp.float32))
+      ds = p * (dp - delta_blk[..., None]) * scale
+      dq = dq + jnp.einsum("bqkgs,bskh->bqkgh", ds, k_c.astype(jnp.float32))
+      dk = dk.at[j].add(jnp.einsum("bqkgs,bqkgh->bskh", ds, q_blk.astype(jnp.float32)))
+      dv = dv.at[j].add(jnp.einsum("bqkgs,bqkgv->bskv", p, do_blk))
+      return dq, dk, dv
+
+    dq, dk, dv = jax.lax.fori_loop(0, n_chunks, step, (jnp.zeros(q_blk.shape, jnp.float32), *dkv))
+    return (dk, dv), dq
+
+  dkv = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
+  xs = (jnp.arange(qb.shape[0]), qb, q_segb, to_q_blocks(dout), to_q_blocks(lse), to_q_blocks(delta))
+  (dk, dv), dq = jax.lax.scan(query_rows, dkv, xs)
+  dq = st.from_blocks(dq, 1, T).reshape(B, T, N, H).astype(q.dtype)
+  return dq, st.from_blocks(dk, 1, S).astype(k.dtype), st.from_blocks(dv, 1, S).astype(v.dtype), None
