@@ -7,10 +7,11 @@ dh [B, T, D] and the head's f32 weight gradient, so the backward pass is a scale
 cotangent: three head matmuls per chunk (logits, dh, dW) and no recomputation. Without autodiff
 (evaluation) only the loss is computed.
 
-Chunk j holds positions j, j + n, j + 2n, ... (n chunks). The sequence split contiguously over
-`context` (context parallelism) then gives every device T / (n * context) positions of each chunk
-from its own rows: the chunks reshape each device's shard in place, and the hidden states are
-never gathered over the sequence.
+Under a mesh that splits the batch (data, fsdp, expert) or the sequence (context), each device
+chunks its own rows inside a `jax.shard_map` over those axes: the hidden states are never
+gathered, and the weight gradient is summed over devices once, after the scan (a GSPMD scan
+would all-reduce it at every chunk). The other mesh axes stay automatic, so a vocabulary split
+over `tensor` still splits each chunk's logits.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from hyscale_jax import sharding as shd
+from hyscale_jax.sharding import BATCH_AXES, CONTEXT_AXIS
 
 # (head parameters, h [B, C, D]) -> logits [B, C, V] in any float dtype.
 Head = Callable[[Any, jax.Array], jax.Array]
@@ -50,15 +52,11 @@ def lm_loss(logits: Float[Array, "B T V"], targets: Int[Array, "B T"], loss_mask
     targets: i32[B, T] next-token ids.
     loss_mask: f32[B, T], 1 where a position counts; the mean is over its sum (at least 1).
   """
-  return jnp.sum(_nll(logits, targets)[2] * loss_mask) / _count(loss_mask)
-
-
-def _count(loss_mask):
-  return jnp.maximum(jnp.sum(loss_mask.astype(jnp.float32)), 1.0)
+  return jnp.sum(_nll(logits, targets)[2] * loss_mask) / jnp.maximum(jnp.sum(loss_mask.astype(jnp.float32)), 1.0)
 
 
 def chunk_layout(T: int, chunk: int) -> tuple[int, int]:
-  """(n chunks, positions per chunk) for length `T` and at most `chunk` positions per chunk.
+  """(n chunks, positions per chunk) for `T` positions (one device's) and at most `chunk` per chunk.
 
   chunk 0 (or >= T) is one chunk of T. Otherwise n = ceil(T / chunk) chunks of ceil(T / n)
   positions; T is padded (masked out) to their product when they do not divide it.
@@ -70,19 +68,16 @@ def chunk_layout(T: int, chunk: int) -> tuple[int, int]:
 
 
 def _to_chunks(x, n: int, rows: int):
-  """[B, T, ...] -> [n, B, rows, ...], chunk j holding positions j, j + n, ... (zero-padded)."""
+  """[B, T, ...] -> [n, B, rows, ...], consecutive positions per chunk (zero-padded at the end)."""
   B, T = x.shape[:2]
   x = jnp.pad(x, [(0, 0), (0, n * rows - T)] + [(0, 0)] * (x.ndim - 2))
-  x = jnp.moveaxis(x.reshape(B, rows, n, *x.shape[2:]), 2, 0)
-  # Each chunk's rows stay split like the sequence they come from (batch and context).
-  return shd.shard(x, (None, shd.BATCH, shd.LENGTH) + (None,) * (x.ndim - 3))
+  return jnp.moveaxis(x.reshape(B, n, rows, *x.shape[2:]), 1, 0)
 
 
 def _from_chunks(x, T: int):
   """The inverse of `_to_chunks`: [n, B, rows, ...] -> [B, T, ...]."""
   n, B, rows = x.shape[:3]
-  x = jnp.moveaxis(x, 0, 2).reshape(B, n * rows, *x.shape[3:])[:, :T]
-  return shd.shard(x, (shd.BATCH, shd.LENGTH) + (None,) * (x.ndim - 2))
+  return jnp.moveaxis(x, 0, 1).reshape(B, n * rows, *x.shape[3:])[:, :T]
 
 
 def chunked_lm_loss(head: Head, params, h: Float[Array, "B T D"], targets: Int[Array, "B T"],
@@ -97,25 +92,26 @@ def chunked_lm_loss(head: Head, params, h: Float[Array, "B T D"], targets: Int[A
     h: bf16|f32[B, T, D], the hidden states after the final norm; they get gradients.
     targets: i32[B, T] next-token ids (no gradient).
     loss_mask: f32[B, T] (no gradient); the mean is over its sum (at least 1).
-    chunk: at most this many positions per chunk (0: all T at once); one chunk's logits are
-      [B, chunk, V] over the whole mesh, [B / batch shards, chunk / context, V] per device.
+    chunk: at most this many positions of each device's rows per chunk (0: all at once). One
+      chunk's logits are [B / batch shards, chunk, V] per device; under context parallelism a
+      device holds T / context positions, chunked the same way.
 
   Raises:
     ValueError: on mismatched shapes or a negative `chunk`.
   """
   if h.ndim != 3 or targets.shape != h.shape[:2] or loss_mask.shape != h.shape[:2]:
     raise ValueError(f"{h.shape=} must be [B, T, D] with {targets.shape=} and {loss_mask.shape=} [B, T].")
-  if not isinstance(chunk, int) or chunk < 0:
+  if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
     raise ValueError(f"chunk={chunk!r} must be an int >= 0 (0: unchunked).")
+  return _chunked_loss(head, chunk, params, h, targets, loss_mask.astype(jnp.float32))
+
+
+def _local_loss(head, chunk, params, h, targets, mask, *, grads: bool, axes: tuple[str, ...]):
+  """One device's rows: loss (and, with `grads`, f32 dparams and dh [B, T, D]), summed over `axes`."""
+  psum = (lambda x: jax.lax.psum(x, axes)) if axes else (lambda x: x)
+  count = jnp.maximum(psum(jnp.sum(mask)), 1.0)
   n, rows = chunk_layout(h.shape[1], chunk)
-  return _chunked_loss(head, n, rows, params, h, targets, loss_mask.astype(jnp.float32))
-
-
-def _chunked_loss_impl(head, n, rows, params, h, targets, mask, grads: bool):
-  """The scan over chunks: (loss, dparams f32 or None, dh [n, B, rows, D] or None)."""
-  count = _count(mask)
   chunks = tuple(_to_chunks(x, n, rows) for x in (h, targets, mask))
-  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params) if grads else None
 
   def body(carry, chunk):
     total, dparams = carry
@@ -124,28 +120,59 @@ def _chunked_loss_impl(head, n, rows, params, h, targets, mask, grads: bool):
       return (total + jnp.sum(_nll(head(params, hc), tc)[2] * mc), None), None
     logits, vjp = jax.vjp(head, params, hc)
     z, lse, nll = _nll(logits, tc)
-    # d(loss)/dz: (softmax - one-hot) * mask / count, a [B, rows, V] temporary of this step only.
+    # d(loss)/dz = (softmax - one-hot) * mask / count: a [B, rows, V] temporary of this step only.
     dz = jnp.exp(z - lse[..., None])
     dz = jnp.where(jax.lax.broadcasted_iota(jnp.int32, z.shape, 2) == tc[..., None], dz - 1.0, dz)
     dp, dh = vjp((dz * (mc / count)[..., None]).astype(logits.dtype))
     dparams = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), dparams, dp)
     return (total + jnp.sum(nll * mc), dparams), dh
 
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params) if grads else None
   (total, dparams), dh = jax.lax.scan(body, (jnp.float32(0), zeros), chunks)
-  return total / count, dparams, dh
+  loss = psum(total) / count
+  return (loss, psum(dparams), _from_chunks(dh, h.shape[1])) if grads else loss
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _chunked_loss(head, n, rows, params, h, targets, mask):
-  return _chunked_loss_impl(head, n, rows, params, h, targets, mask, grads=False)[0]
+def _row_axes(shape) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
+  """(ambient mesh, its batch axes, its context axis) that split [B, T] rows here; () where none do.
+
+  The batch splits over the BATCH_AXES present with size > 1 when their product divides B, the
+  sequence over `context` when it divides T, as `sharding.shard` places the activations.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or jax.sharding.AxisType.Manual in mesh.axis_types:
+    return None, (), ()
+  split = lambda names, size: names if names and size % math.prod(mesh.shape[a] for a in names) == 0 else ()
+  present = lambda names: tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
+  return mesh, split(present(BATCH_AXES), shape[0]), split(present((CONTEXT_AXIS,)), shape[1])
 
 
-def _chunked_loss_fwd(head, n, rows, params, h, targets, mask):
-  loss, dparams, dh = _chunked_loss_impl(head, n, rows, params, h, targets, mask, grads=True)
-  return loss, (dparams, _from_chunks(dh, h.shape[1]), params)  # params only for their dtypes
+def _sharded_loss(head, chunk, params, h, targets, mask, *, grads: bool):
+  """`_local_loss` on each device's rows under a `shard_map` over the axes that split them."""
+  mesh, batch, context = _row_axes(h.shape)
+  axes = batch + context
+  local = functools.partial(_local_loss, head, chunk, grads=grads, axes=axes)
+  if not axes:
+    return local(params, h, targets, mask)
+  rows = P(batch or None, context or None)
+  # The head's parameters enter whole over the row axes (gathered over fsdp, as every layer's are)
+  # and their gradient leaves summed; axes that split no rows (tensor) stay automatic.
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows, rows),
+                       out_specs=(P(), P(), rows) if grads else P(), axis_names=set(axes),
+                       check_vma=False)(params, h, targets, mask)
 
 
-def _chunked_loss_bwd(head, n, rows, residuals, g):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunked_loss(head, chunk, params, h, targets, mask):
+  return _sharded_loss(head, chunk, params, h, targets, mask, grads=False)
+
+
+def _chunked_loss_fwd(head, chunk, params, h, targets, mask):
+  loss, dparams, dh = _sharded_loss(head, chunk, params, h, targets, mask, grads=True)
+  return loss, (dparams, dh, params)  # params only for their dtypes
+
+
+def _chunked_loss_bwd(head, chunk, residuals, g):
   dparams, dh, params = residuals
   dparams = jax.tree.map(lambda d, p: (g * d).astype(p.dtype), dparams, params)
   # targets and loss_mask are data: no gradient.

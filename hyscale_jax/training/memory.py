@@ -6,8 +6,8 @@ The estimate adds, per device:
   `"selection_replay"` the selection (i32, layers with an indexer) and the attention's out/lse of
   every layer (not when MLA query chunking is on at this length); under `"none"` every layer's
   intermediates;
-- the f32 logits and their gradient of one chunk of the LM loss (`model.lm_loss_chunk` positions,
-  split over `context` like the sequence; layers/lm_head.py), never of the whole [B, T, V];
+- the f32 logits and their gradient of one chunk of the LM loss (`model.lm_loss_chunk` of the
+  device's positions per row; layers/lm_head.py), never of the whole [B, T, V];
 - the largest transient of one layer: its intermediates while its backward runs (the recomputed
   forward and their gradients), or the all-gathered key rows under context parallelism (counted
   at full T even when MLA query chunking would hold them one chunk at a time: an upper bound);
@@ -149,7 +149,8 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
   p_bytes, a_bytes = jnp.dtype(cfg.param_dtype).itemsize, jnp.dtype(cfg.dtype).itemsize
   rows = batch_size / data_shards * seq_len / context_shards  # tokens on this device
   _, out_width, key_width = _attention_dims(cfg)
-  chunk_rows = chunk_layout(seq_len, cfg.lm_loss_chunk)[1]  # sequence positions per LM-loss chunk
+  # Positions per row of one LM-loss chunk: each device chunks its own T / context positions.
+  chunk_rows = chunk_layout(math.ceil(seq_len / context_shards), cfg.lm_loss_chunk)[1]
   per_layer = [_layer_bytes_per_token(cfg, i, seq_len) for i in range(cfg.n_layers)]
   if cfg.remat_policy == "none":
     saved = sum(per_layer)
@@ -165,7 +166,7 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
       # With hyper-connections each layer's saved input is its hc_mult residual streams.
       "layer inputs": cfg.n_layers * rows * cfg.d_model * max(cfg.hc_mult, 1) * a_bytes,
       "saved selection and attention": rows * saved,
-      "logits": LOGITS_COPIES * batch_size / data_shards * chunk_rows / context_shards * cfg.vocab_size * 4,
+      "logits": LOGITS_COPIES * batch_size / data_shards * chunk_rows * cfg.vocab_size * 4,
       "one layer's transients": max(batch_size / data_shards * seq_len * key_width * a_bytes,
                                     LAYER_TRANSIENT_COPIES * rows * max(per_layer)),
       # One MoE layer's backward at a time; every remat policy runs it.
