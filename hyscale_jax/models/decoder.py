@@ -11,8 +11,8 @@ from jaxtyping import Array, Int
 
 from hyscale_jax import remat
 from hyscale_jax import sharding as shd
-from hyscale_jax.layers.lm_head import Head, chunked_lm_loss
 from hyscale_jax.layers.hyper_connections import expand_streams
+from hyscale_jax.layers.lm_head import Head, chunked_lm_loss
 from hyscale_jax.layers.mlp import MLP
 from hyscale_jax.layers.moe import MoE
 from hyscale_jax.model_config import ModelConfig

@@ -7,7 +7,8 @@ The estimate adds, per device:
   every layer (not when MLA query chunking is on at this length); under `"none"` every layer's
   intermediates;
 - the f32 logits and their gradient of one chunk of the LM loss (`model.lm_loss_chunk` of the
-  device's positions per row; layers/lm_head.py), never of the whole [B, T, V];
+  device's positions per row; layers/lm_head.py), never of the whole [B, T, V]; with parameters
+  below f32, also what the loss's f32 head-gradient accumulator [D, V] adds to the gradient;
 - the largest transient of one layer: its intermediates while its backward runs (the recomputed
   forward and their gradients), or the all-gathered key rows under context parallelism (counted
   at full T even when MLA query chunking would hold them one chunk at a time: an upper bound);
@@ -166,7 +167,8 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
       # With hyper-connections each layer's saved input is its hc_mult residual streams.
       "layer inputs": cfg.n_layers * rows * cfg.d_model * max(cfg.hc_mult, 1) * a_bytes,
       "saved selection and attention": rows * saved,
-      "logits": LOGITS_COPIES * batch_size / data_shards * chunk_rows * cfg.vocab_size * 4,
+      "logits": (LOGITS_COPIES * batch_size / data_shards * chunk_rows * cfg.vocab_size * 4
+                 + (4 - p_bytes) * cfg.d_model * cfg.vocab_size),
       "one layer's transients": max(batch_size / data_shards * seq_len * key_width * a_bytes,
                                     LAYER_TRANSIENT_COPIES * rows * max(per_layer)),
       # One MoE layer's backward at a time; every remat policy runs it.
