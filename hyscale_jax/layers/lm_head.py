@@ -156,9 +156,12 @@ def _sharded_loss(head, chunk, params, h, targets, mask, *, grads: bool):
     return local(params, h, targets, mask)
   rows = P(batch or None, context or None)
   # The head's parameters enter whole over the row axes (gathered over fsdp, as every layer's are)
-  # and their gradient leaves summed; axes that split no rows (tensor) stay automatic.
+  # and their gradient leaves summed. Axes that split no rows stay automatic when they split
+  # anything (a vocabulary over tensor); size-1 axes are manual, so without tensor parallelism
+  # the shard_map is fully manual.
+  manual = {a for a in mesh.axis_names if a in axes or mesh.shape[a] == 1}
   return jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows, rows),
-                       out_specs=(P(), P(), rows) if grads else P(), axis_names=set(axes),
+                       out_specs=(P(), P(), rows) if grads else P(), axis_names=manual,
                        check_vma=False)(params, h, targets, mask)
 
 
