@@ -101,6 +101,11 @@ class ModelConfig:
   # multiple): the keys are computed once, and under remat the absorbed queries, the attention
   # output and their gradients exist one chunk at a time (0: all rows at once).
   attention_query_chunk: int = 0
+  # The training loss runs the LM head and cross-entropy over this many sequence positions at a
+  # time (layers/lm_head.py; 0: all at once): one chunk's f32 logits are [B, chunk, V] instead of
+  # the whole [B, T, V] (81 GB at 128K tokens for GLM-5.1's 154,880-token vocabulary). 2048 keeps
+  # that at 1.3 GB per sequence while each chunk's head matmul stays large (2048 x D x V).
+  lm_loss_chunk: int = 2048
   # QSA indexer q/k norms zero-centred (weight applied as 1 + w), as transformers' qwen4_exp has them.
   indexer_norm_zero_centered: bool = False
   # Numerics and memory.
@@ -162,6 +167,8 @@ class ModelConfig:
     if not isinstance(self.attention_query_chunk, int) or self.attention_query_chunk < 0:
       raise ValueError(f"model.attention_query_chunk={self.attention_query_chunk!r} must be an int >= 0 "
                        "(0: unchunked).")
+    if not isinstance(self.lm_loss_chunk, int) or self.lm_loss_chunk < 0:
+      raise ValueError(f"model.lm_loss_chunk={self.lm_loss_chunk!r} must be an int >= 0 (0: unchunked).")
     self._check_hyper_connections()
     if self.shared_expert_gate and self.n_shared_experts < 1:
       raise ValueError("model.shared_expert_gate=True needs shared experts, got "

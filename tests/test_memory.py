@@ -14,10 +14,18 @@ _GLM_FULL = ModelConfig.from_config(glm5_1.get_config("full").model)
 def test_estimate_scales_with_sequence_context_and_remat():
   est = lambda **kw: memory.estimate_training_memory(_GLM_FULL, batch_size=1, param_count=10**9, **kw)
   base, longer = est(seq_len=1 << 16), est(seq_len=1 << 17)
-  for key in ("layer inputs", "saved selection and attention", "logits"):
+  for key in ("layer inputs", "saved selection and attention"):
     assert longer.components[key] == 2 * base.components[key], key
+  # The LM loss holds one chunk's logits whatever the length; unchunked, all of them.
+  chunk = _GLM_FULL.lm_loss_chunk
+  assert longer.components["logits"] == base.components["logits"] == memory.LOGITS_COPIES * chunk * 154880 * 4
+  unchunked = lambda T: memory.estimate_training_memory(dataclasses.replace(_GLM_FULL, lm_loss_chunk=0),
+                                                        batch_size=1, seq_len=T, param_count=10**9)
+  assert unchunked(1 << 17).components["logits"] == 2 * unchunked(1 << 16).components["logits"]
   split = est(seq_len=1 << 17, context_shards=4)
   assert split.components["layer inputs"] * 4 == longer.components["layer inputs"]
+  assert split.components["logits"] == longer.components["logits"]  # each device chunks its T / 4 rows
+  assert est(seq_len=1 << 12, context_shards=4).components["logits"] * 2 == base.components["logits"]  # 1024 rows
   assert split.components["parameters"] == longer.components["parameters"]  # replicated
   full = memory.estimate_training_memory(dataclasses.replace(_GLM_FULL, remat_policy="full"), batch_size=1,
                                          seq_len=1 << 16, param_count=10**9)

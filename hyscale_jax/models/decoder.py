@@ -12,6 +12,7 @@ from jaxtyping import Array, Int
 from hyscale_jax import remat
 from hyscale_jax import sharding as shd
 from hyscale_jax.layers.hyper_connections import expand_streams
+from hyscale_jax.layers.lm_head import Head, chunked_lm_loss
 from hyscale_jax.layers.mlp import MLP
 from hyscale_jax.layers.moe import MoE
 from hyscale_jax.model_config import ModelConfig
@@ -117,7 +118,7 @@ class Decoder(nnx.Module):
         cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs, param_dtype=pdtype,
         kernel_metadata=shd.param(shd.EMBED, shd.VOCAB))
 
-  def __call__(
+  def hidden_states(
       self,
       tokens: Int[Array, "B T"],
       *,
@@ -125,8 +126,9 @@ class Decoder(nnx.Module):
       segment_ids: Int[Array, "B T"] | None = None,
       dense: bool = False,
       backends=None,
-  ) -> ModelOutput:
-    """Logits for int32 tokens [B, T]; `dense=True` is the warm-up stage (no sparsification).
+  ) -> tuple[jax.Array, dict]:
+    """The final hidden states for int32 tokens [B, T] (the LM head's input); `dense=True` is the
+    warm-up stage (no sparsification).
 
     Args:
       tokens: i32[B, T] token ids.
@@ -136,7 +138,7 @@ class Decoder(nnx.Module):
       backends: per-op backend names (`config.ops`); None means "auto" everywhere.
 
     Returns:
-      ModelOutput(logits f32[B, T, V], aux={"indexer_loss": f32[], "expert_load": f32[n_moe, E]}).
+      (h [B, T, D] after the final collapse and norm, aux={"indexer_loss": f32[], "expert_load": f32[n_moe, E]}).
     """
     B, T = tokens.shape
     if positions is None:
@@ -173,12 +175,42 @@ class Decoder(nnx.Module):
       x = self.hc_head(x)
     if self.norm is not None:
       x = self.norm(x)
-    if self.lm_head is None:
-      logits = self.embed_tokens.attend(x.astype(jnp.float32))
-    else:
-      logits = self.lm_head(x)
     aux = {"indexer_loss": jnp.mean(jnp.stack(indexer_losses)) if indexer_losses else jnp.float32(0)}
     if loads:
       aux["expert_load"] = jnp.stack(loads)
-    return ModelOutput(logits.astype(jnp.float32), aux)
+    return x, aux
+
+  def __call__(self, tokens: Int[Array, "B T"], **kwargs) -> ModelOutput:
+    """ModelOutput(logits f32[B, T, V], aux) for int32 tokens [B, T]; `kwargs` as `hidden_states`.
+
+    For evaluation, notebooks and generation: training takes `lm_loss` of the hidden states, which
+    never builds the [B, T, V] logits.
+    """
+    h, aux = self.hidden_states(tokens, **kwargs)
+    return ModelOutput(self.logits(h), aux)
+
+  def _head(self) -> tuple[Head, nnx.State]:
+    """The LM head as a pure function of its parameters: (head, params), logits = head(params, h).
+
+    Untied: `lm_head`. Tied: `embed_tokens.attend` on the f32 hidden states.
+    """
+    tied = self.lm_head is None
+    graphdef, params = nnx.split(self.embed_tokens if tied else self.lm_head)
+
+    def head(params, h):
+      module = nnx.merge(graphdef, params)
+      return module.attend(h.astype(jnp.float32)) if tied else module(h)
+
+    return head, params
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """f32[B, T, V] logits of the hidden states h [B, T, D] (from `hidden_states`)."""
+    head, params = self._head()
+    return head(params, h).astype(jnp.float32)
+
+  def lm_loss(self, h: jax.Array, targets: Int[Array, "B T"], loss_mask: jax.Array) -> jax.Array:
+    """f32[] mean next-token cross-entropy of h [B, T, D] over loss_mask f32[B, T], `cfg.lm_loss_chunk`
+    positions at a time (layers/lm_head.py): the same value and gradients as `lm_loss(self.logits(h), ...)`."""
+    head, params = self._head()
+    return chunked_lm_loss(head, params, h, targets, loss_mask, chunk=self.cfg.lm_loss_chunk)
 

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from hyscale_jax import convert, models, parallel
 from hyscale_jax import sharding as shd
+from hyscale_jax.layers.lm_head import lm_loss  # noqa: F401 (the logits form, for callers that have logits)
 from hyscale_jax.layers.moe import MoE, update_router_bias
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.training import memory, step_modes
@@ -80,13 +81,6 @@ def make_optimizer(config: ml_collections.ConfigDict, params):
            "main": optax.adamw(main, weight_decay=optim.weight_decay)},
           labels),
   ), main, indexer
-
-
-def lm_loss(logits, targets, loss_mask):
-  """Mean next-token cross-entropy over `loss_mask` (f32)."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-  return jnp.sum(nll * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
 
 
 def _model_config(config) -> ModelConfig:
@@ -247,9 +241,10 @@ def build_training(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh, ru
 
   def forward(params, rest, batch, dense):
     model = nnx.merge(graphdef, params, rest)
-    out = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                dense=dense, backends=config.ops)
-    return lm_loss(out.logits, batch["targets"], batch["loss_mask"]), out.aux
+    h, aux = model.hidden_states(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                                 dense=dense, backends=config.ops)
+    # Chunked over the sequence (model.lm_loss_chunk): no [B, T, V] logits, forward or backward.
+    return model.lm_loss(h, batch["targets"], batch["loss_mask"]), aux
 
   def objective(params, rest, batch, dense):
     lm, aux = forward(params, rest, batch, dense)

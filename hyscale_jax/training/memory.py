@@ -6,7 +6,9 @@ The estimate adds, per device:
   `"selection_replay"` the selection (i32, layers with an indexer) and the attention's out/lse of
   every layer (not when MLA query chunking is on at this length); under `"none"` every layer's
   intermediates;
-- the f32 logits and their gradient;
+- the f32 logits and their gradient of one chunk of the LM loss (`model.lm_loss_chunk` of the
+  device's positions per row; layers/lm_head.py), never of the whole [B, T, V]; with parameters
+  below f32, also what the loss's f32 head-gradient accumulator [D, V] adds to the gradient;
 - the largest transient of one layer: its intermediates while its backward runs (the recomputed
   forward and their gradients), or the all-gathered key rows under context parallelism (counted
   at full T even when MLA query chunking would hold them one chunk at a time: an upper bound);
@@ -32,13 +34,14 @@ import os
 import jax
 import jax.numpy as jnp
 
+from hyscale_jax.layers.lm_head import chunk_layout
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.sharding import BATCH_AXES
 
 # One layer's intermediates alive at once in its backward pass: the recomputed forward and their
 # gradients. A prior (1 = the forward's set, 2 = each with its gradient), not yet fitted to a peak.
 LAYER_TRANSIENT_COPIES = 1.5
-# [rows, V] f32 buffers at the loss: the logits and their gradient.
+# [rows of one loss chunk, V] f32 buffers at the loss: the chunk's logits and their gradient.
 LOGITS_COPIES = 2.0
 # Bytes per (expert, dispatched row, D column) of the ragged_dot expansion live at once in an MoE
 # layer's backward: an f32 masked copy of the rows (or their gradient) plus the activation-dtype one
@@ -147,6 +150,8 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
   p_bytes, a_bytes = jnp.dtype(cfg.param_dtype).itemsize, jnp.dtype(cfg.dtype).itemsize
   rows = batch_size / data_shards * seq_len / context_shards  # tokens on this device
   _, out_width, key_width = _attention_dims(cfg)
+  # Positions per row of one LM-loss chunk: each device chunks its own T / context positions.
+  chunk_rows = chunk_layout(math.ceil(seq_len / context_shards), cfg.lm_loss_chunk)[1]
   per_layer = [_layer_bytes_per_token(cfg, i, seq_len) for i in range(cfg.n_layers)]
   if cfg.remat_policy == "none":
     saved = sum(per_layer)
@@ -162,7 +167,8 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
       # With hyper-connections each layer's saved input is its hc_mult residual streams.
       "layer inputs": cfg.n_layers * rows * cfg.d_model * max(cfg.hc_mult, 1) * a_bytes,
       "saved selection and attention": rows * saved,
-      "logits": LOGITS_COPIES * rows * cfg.vocab_size * 4,
+      "logits": (LOGITS_COPIES * batch_size / data_shards * chunk_rows * cfg.vocab_size * 4
+                 + (4 - p_bytes) * cfg.d_model * cfg.vocab_size),
       "one layer's transients": max(batch_size / data_shards * seq_len * key_width * a_bytes,
                                     LAYER_TRANSIENT_COPIES * rows * max(per_layer)),
       # One MoE layer's backward at a time; every remat policy runs it.
