@@ -17,6 +17,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.ops.flash_topk = "auto"
   config.ops.sparse_attention = "auto"
   config.ops.indexer_loss = "auto"
+  config.ops.grouped_matmul = "auto"
   # A named preset that overrides `ops` and the remat/holistic `model` fields: "" (none),
   # "megatron_style", "+flashtopk", "+replay", "hyscale" or "+replay+<optimization>"
   # (hyscale_jax/training/step_modes.py).
