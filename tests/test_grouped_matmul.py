@@ -8,6 +8,7 @@ cache and config logic is plain Python and is tested here on CPU.
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -182,6 +183,29 @@ def test_autotune_cache_measures_once_and_persists(tmp_path, monkeypatch):
   assert autotune.choose(*args, lambda c: pytest.fail("measured again")) == best
 
 
+def test_tuning_runs_eagerly_inside_a_trace_and_falls_back_when_nothing_runs(monkeypatch, tmp_path):
+  """The Pallas wrapper tunes while the caller's jit traces: measured on concrete arrays, cached."""
+  from pallas_kernels.grouped_matmul import grouped_matmul as kernels  # noqa: PLC0415
+
+  monkeypatch.setenv("HYSCALE_CACHE_DIR", str(tmp_path))
+  monkeypatch.setattr(autotune, "_MEMORY", {})
+  run = lambda a, b, s, config: ops.grouped_matmul(a, b, s, backend="reference")
+  pick = lambda: kernels._config("forward", 64, 32, 16, 4, jnp.float32, run, ((64, 32), (4, 32, 16)))
+  autotune.set_autotune(True)
+  try:
+    chosen = []
+    jax.jit(lambda x: chosen.append(pick()) or x)(jnp.ones(3))
+    entry = json.loads(autotune.cache_path("cpu").read_text())["forward:M=64:K=32:N=16:G=4:float32"]
+    assert all(isinstance(v, float) and v > 0 for v in entry["seconds"].values())
+    assert chosen[0] == autotune.Config(**entry["config"])
+    with pytest.warns(UserWarning, match="autotune .* failed"):
+      failing = lambda c: (_ for _ in ()).throw(ValueError("exceeds available shared memory"))
+      got = autotune.choose("cpu", "transposed", 64, 32, 16, 4, jnp.float32, failing)
+    assert got == autotune.Config.heuristics("transposed", 64, 32, 16, 4)
+  finally:
+    autotune.set_autotune(None)
+
+
 def test_autotune_env_var_and_keys(monkeypatch):
   monkeypatch.setenv("HYSCALE_AUTOTUNE", "1")
   assert autotune.autotune_enabled()
@@ -189,6 +213,36 @@ def test_autotune_env_var_and_keys(monkeypatch):
   assert not autotune.autotune_enabled()
   keys = {autotune.cache_key(k, 64, 32, 16, 4, d) for k in autotune.KINDS for d in (jnp.bfloat16, jnp.float16)}
   assert len(keys) == 6 and "forward:M=64:K=32:N=16:G=4:bfloat16" in keys
+
+
+# ---- the Pallas backend lowered for CUDA on CPU (shapes, padding, the custom_vjp wiring) ----
+
+class _FakeHopper:
+  """What the Pallas path reads from `jax.devices()[0]` on an H200."""
+  platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H200", "9.0", 132
+
+
+@pytest.mark.parametrize("m, k, n, transpose_rhs", [(300, 96, 200, False), (1024, 256, 384, True), (7, 64, 128, False)])
+def test_pallas_backend_lowers_for_cuda(m, k, n, transpose_rhs, monkeypatch, tmp_path):
+  """Forward and both gradients through `backend="pallas"` export for a CUDA target: three Mosaic GPU
+  kernels (forward, dx, dW), odd widths padded. Catches tiling/TMA errors without a GPU."""
+  monkeypatch.setenv("HYSCALE_CACHE_DIR", str(tmp_path))  # heuristics, not a cached config
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
+  g = 3
+  lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  rhs = jax.ShapeDtypeStruct((g, n, k) if transpose_rhs else (g, k, n), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+
+  def loss(a, b, s):
+    return jnp.square(ops.grouped_matmul(a, b, s, transpose_rhs=transpose_rhs, backend="pallas")).sum()
+
+  mosaic = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("mosaic_gpu", "mosaic_gpu_v2")]
+  exported = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), platforms=["cuda"],
+                               disabled_checks=mosaic)(lhs, rhs, sizes)
+  text = exported.mlir_module()
+  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3 and "stablehlo.dot_general" not in text
+  assert [tuple(a.shape) for a in exported.out_avals] == [(), (m, k), rhs.shape]
 
 
 # ---- GPU only: the Pallas backend against the oracle ----

@@ -17,6 +17,7 @@ import re
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -160,7 +161,11 @@ def choose(device_kind: str, kind: str, m: int, k: int, n: int, g: int, dtype,
     return found
   if not autotune_enabled():
     return Config.heuristics(kind, m, k, n, g)
-  best, timings = tune(Config.search_space(kind, m, k, n, g, np.dtype(dtype).itemsize), measure)
+  try:
+    best, timings = tune(Config.search_space(kind, m, k, n, g, np.dtype(dtype).itemsize), measure)
+  except RuntimeError as e:  # nothing ran (e.g. no memory left to tune in): run on the default, uncached
+    warnings.warn(f"grouped_matmul autotune for {key} failed, using the heuristic config: {e}", stacklevel=2)
+    return Config.heuristics(kind, m, k, n, g)
   _store(cache_path(device_kind), key, {"config": dataclasses.asdict(best), "seconds": timings,
                                         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
   return best
