@@ -186,11 +186,15 @@ for case in spec:
   m, d, f, e = case["M"], case["D"], case["F"], case["E"]
   offs = torch.tensor(case["offsets"], dtype=torch.int32, device="cuda")
   x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
-  w = (torch.randn(e, d, f, device="cuda") * d ** -0.5).to(torch.bfloat16)
   dout = torch.randn(m, f, device="cuda", dtype=torch.bfloat16)
-  fns = {"forward": lambda: torch._grouped_mm(x, w, offs=offs),
-         "dx": lambda: torch._grouped_mm(dout, w.transpose(-2, -1), offs=offs),
-         "dw": lambda: torch._grouped_mm(x.t(), dout, offs=offs)}
+  # torch's Hopper grouped GEMM wants A row-major and B column-major: each pass gets its own layout,
+  # made before timing (as torch's autograd keeps both weight layouts around).
+  w_fd = (torch.randn(e, f, d, device="cuda") * d ** -0.5).to(torch.bfloat16)  # W^T rows
+  w_df = w_fd.transpose(-2, -1).contiguous()
+  x_t, dout_cm = x.t().contiguous(), dout.t().contiguous().t()
+  fns = {"forward": lambda: torch._grouped_mm(x, w_fd.transpose(-2, -1), offs=offs),
+         "dx": lambda: torch._grouped_mm(dout, w_df.transpose(-2, -1), offs=offs),
+         "dw": lambda: torch._grouped_mm(x_t, dout_cm, offs=offs)}
   for name, fn in fns.items():
     try:
       fn(); torch.cuda.synchronize(); times = []
