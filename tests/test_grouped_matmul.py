@@ -243,6 +243,8 @@ def test_pallas_backend_lowers_for_cuda(m, k, n, transpose_rhs, monkeypatch, tmp
   text = exported.mlir_module()
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3 and "stablehlo.dot_general" not in text
   assert [tuple(a.shape) for a in exported.out_avals] == [(), (m, k), rhs.shape]
+  rows = {m, -(-m // 8) * 8}  # as given, and padded to the 8-row tiling
+  assert not [r for r in rows if f"tensor<{g}x{r}x" in text]  # nothing [G, M, ...] in the HLO either
 
 
 # ---- GPU only: the Pallas backend against the oracle ----
