@@ -7,10 +7,12 @@
 
 What the wrappers add: K (and N, P, Q) zero-padded to the chosen tiles (exact: padded columns
 contribute 0 and are sliced off), the forward's rows past `sum(group_sizes)` set to 0 (the kernel
-never writes them), the dW inputs' rows past the sum set to 0 (the kernel multiplies partial blocks
-by a 0/1 mask, which would keep a NaN), and the block config from `autotune.choose`. Both kernels
-use wgmma (sm_90a) and bf16/f16 only: anything else raises NotImplementedError so `"auto"` falls
-back to the reference. JAX's kernels take no `interpret` flag, so there is no interpret mode.
+never writes them; XLA fuses that select into an elementwise consumer), the dW inputs' rows just past
+the sum set to 0 (the kernel multiplies its partial last block by a 0/1 mask, which would keep a
+NaN), rows padded to TMA's 8-row tiling, and the block config from `autotune.choose`. Both kernels
+use wgmma (sm_90a) and bf16/f16 only: anything else raises NotImplementedError so `"auto"` falls back
+to the reference. JAX's kernels take no `interpret` flag, so there is no interpret mode; CPU tests
+export them for a CUDA target instead (tests/test_grouped_matmul.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,17 @@ def _rows_in_groups(x, group_sizes):
   """x with the rows past sum(group_sizes) set to 0."""
   rows = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
   return jnp.where(rows < jnp.sum(group_sizes), x, jnp.zeros((), x.dtype))
+
+
+def _zero_rows_read_past_groups(x, group_sizes, block_k: int):
+  """x with rows [sum, sum + block_k) set to 0: the only rows past the groups the dW kernel reads.
+
+  Its last group's last K block ends at the next multiple of block_k, and it masks that block by
+  multiplying with 0/1, which would keep a NaN or inf. A dropped-out-of-range scatter of block_k
+  rows, not a pass over all of x.
+  """
+  rows = jnp.sum(group_sizes) + jnp.arange(block_k)
+  return x.at[rows].set(jnp.zeros((), x.dtype), mode="drop")
 
 
 def _uniform_sizes(m: int, g: int) -> np.ndarray:
@@ -128,8 +141,8 @@ def _transposed(a, b, group_sizes, config):
   from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu  # noqa: PLC0415
 
   p, q = a.shape[1], b.shape[1]
-  a = _pad_axis(_pad_axis(_rows_in_groups(a, group_sizes), 1, config.block_m), 0, 8)
-  b = _pad_axis(_pad_axis(_rows_in_groups(b, group_sizes), 1, config.block_n), 0, 8)
+  a = _pad_axis(_pad_axis(_zero_rows_read_past_groups(a, group_sizes, config.block_k), 1, config.block_m), 0, 8)
+  b = _pad_axis(_pad_axis(_zero_rows_read_past_groups(b, group_sizes, config.block_k), 1, config.block_n), 0, 8)
   out = transposed_ragged_dot_mgpu.transposed_ragged_dot(
       a, b, group_sizes=group_sizes, block_m=config.block_m, block_n=config.block_n,
       block_k=config.block_k, max_concurrent_steps=config.max_concurrent_steps,
