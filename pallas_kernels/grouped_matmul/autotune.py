@@ -60,36 +60,36 @@ class Config:
 
   @classmethod
   def heuristics(cls, kind: str, m: int, k: int, n: int, g: int) -> "Config":
-    """The default when nothing is cached: 128 x 128 tiles, 4 stages (96 KiB of bf16 pipeline).
+    """The default when nothing is cached: 128 x 128 tiles, 4 stages (128 KiB of bf16 pipeline).
 
-    The transposed (dW) kernel tiles the [K, N] output and walks each group's rows, so its tiles
-    must divide K and N; a smaller block_m serves narrow K. `grid_block_n` 4 walks 4 N-tiles per
+    Tiles divide N (and, for the dW kernel, whose output is [K, N], also K) where 128 or 64 can,
+    so the wrappers need not pad (a padded weight is a copy). `grid_block_n` 4 walks 4 N-tiles per
     snake band when there are that many.
     """
     _check_kind(kind)
-    del g
-    block_m = 128 if (kind != "transposed" or k % 128 == 0) else 64
-    block_n = 128 if n % 128 == 0 or kind != "transposed" else 64
-    grid_n = -(-n // block_n)
-    return cls(block_m=block_m, block_n=block_n, grid_block_n=4 if grid_n >= 8 else 1)
+    del m, g
+    block_m = 128 if kind != "transposed" or k % 128 == 0 else 64
+    block_n = 128 if n % 128 == 0 else 64
+    return cls(block_m=block_m, block_n=block_n, grid_block_n=4 if n // block_n >= 8 else 1)
 
   @classmethod
   def search_space(cls, kind: str, m: int, k: int, n: int, g: int, itemsize: int = 2) -> tuple["Config", ...]:
-    """At most 8 configs around the heuristic: tile shapes 64/128 x 128/256, 3-4 stages, snake 1 or 4.
+    """At most 6 configs: the heuristic and tiles of 64-128 rows x 64-256 columns, 4-6 stages.
 
-    Configs whose pipeline would not fit the H100/H200's 227 KiB of shared memory are dropped.
+    Kept only if the tiles divide N (and K for dW, see `heuristics`) and the pipeline plus the
+    output tile fit the H100/H200's 227 KiB of shared memory. One warpgroup holds the f32
+    accumulator, so block_m x block_n stays <= 128 x 192 (192 registers a thread).
     """
     _check_kind(kind)
     found = [cls.heuristics(kind, m, k, n, g)]
     for block_m, block_n, steps, grid_block_n in (
-        (128, 256, 3, 4), (128, 256, 4, 1), (64, 256, 4, 4), (128, 128, 6, 4), (64, 128, 6, 1),
-        (128, 128, 4, 1), (128, 128, 4, 8)):
-      if kind == "transposed" and (k % block_m or n % block_n):
+        (128, 192, 4, 4), (64, 256, 4, 4), (128, 128, 6, 4), (64, 128, 6, 1), (128, 128, 4, 1), (128, 64, 6, 4)):
+      if n % block_n or (kind == "transposed" and k % block_m):
         continue
       config = cls(block_m=block_m, block_n=block_n, max_concurrent_steps=steps, grid_block_n=grid_block_n)
       if config not in found and config.smem_bytes(itemsize) + block_m * block_n * itemsize <= 227 * 1024:
         found.append(config)
-    return tuple(found[:8])
+    return tuple(found[:6])
 
 
 def _check_kind(kind: str) -> None:
