@@ -77,23 +77,36 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
   return jnp.where(inside.any(0)[:, None], operands[sender, src], output)
 
 
-@pytest.mark.parametrize("mesh", [dict(expert=8), dict(data=2, expert=4)])
-def test_ragged_dispatch_matches_one_device(mesh, monkeypatch):
-  """The GPU path's offsets and regrouping (values and gradients), with the exchange emulated on CPU."""
-  monkeypatch.setattr(expert_parallel, "_ragged_all_to_all", _emulated_ragged_all_to_all)
-  monkeypatch.setattr(expert_parallel, "_dispatch", expert_parallel._dispatch_ragged)  # what GPU chooses
+def _assert_moe_matches_one_device(mesh):
+  """Values and gradients of a skew-routed MoE under `mesh` equal the one-device MoE's; returns its jaxpr."""
   moe = MoE(D, F, E, K, n_shared_experts=0, rngs=nnx.Rngs(0))
   moe.e_score_correction_bias[...] = jnp.asarray([2.0, 1.0, 0, 0, 0, 0, 0, -1.0])
   x = jax.random.normal(jax.random.key(1), (8, 8, D))
   dy = jax.random.normal(jax.random.key(2), (8, 8, D))
   (want, _), (want_dp, want_dx) = _loss_and_grads(moe, x, dy)
   with jax.set_mesh(_mesh(**mesh)):
+    jaxpr = jax.make_jaxpr(lambda x: moe(x))(x)
     (got, _), (got_dp, got_dx) = _loss_and_grads(moe, x, dy)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   np.testing.assert_allclose(got_dx, want_dx, rtol=1e-5, atol=1e-6)
   for (path, g), (_, w) in zip(nnx.to_flat_state(got_dp), nnx.to_flat_state(want_dp)):
     w = np.asarray(w[...])
     np.testing.assert_allclose(g[...], w, rtol=1e-5, atol=1e-6 * np.abs(w).max(), err_msg=str(path))
+  return str(jaxpr)
+
+
+@pytest.mark.parametrize("mesh", [dict(expert=8), dict(data=2, expert=4)])
+def test_ragged_dispatch_matches_one_device(mesh, monkeypatch):
+  """The GPU path's offsets and regrouping (values and gradients), with the exchange emulated on CPU."""
+  monkeypatch.setattr(expert_parallel, "_ragged_all_to_all", _emulated_ragged_all_to_all)
+  monkeypatch.setattr(expert_parallel, "_dispatch", expert_parallel._dispatch_ragged)  # what GPU chooses
+  _assert_moe_matches_one_device(mesh)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() not in (2, 4, 8), reason="needs 2-8 GPUs")
+def test_real_ragged_all_to_all_on_gpus_matches_one_device():
+  assert "ragged_all_to_all" in _assert_moe_matches_one_device(dict(expert=jax.device_count()))
 
 
 def test_ragged_dispatch_lowers_for_cuda():
