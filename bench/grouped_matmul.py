@@ -174,7 +174,8 @@ def pallas_config(pass_name, m, d, f, e, dtype):
   import dataclasses  # noqa: PLC0415
 
   from pallas_kernels.grouped_matmul import autotune  # noqa: PLC0415
-  kind, k, n = {"forward": ("forward", d, f), "dx": ("forward_transposed_rhs", f, d), "dw": ("transposed", d, f)}[pass_name]
+  kind, k, n = {"forward": ("forward", d, f), "dx": ("forward_transposed_rhs", f, d),
+                 "dw": ("transposed", d, f)}[pass_name]
   found = autotune.cached_config(jax.devices()[0].device_kind, autotune.cache_key(kind, m, k, n, e, dtype))
   return dataclasses.asdict(found or autotune.Config.heuristics(kind, m, k, n, e))
 

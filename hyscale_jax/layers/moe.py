@@ -187,8 +187,9 @@ class MoE(nnx.Module):
 
     Returns:
       (y [B, T, D] in `x.dtype`, expert_load f32[E]). The expert matmuls run in the module `dtype`
-      with f32 accumulation (their outputs rounded to `dtype`), and the combine is in f32. `expert_load` is the fraction of the N*k
-      routing slots sent to each expert (it sums to 1), for `update_router_bias` and logging.
+      with f32 accumulation (their outputs rounded to `dtype`); SwiGLU and the combine are in f32.
+      `expert_load` is the fraction of the N*k routing slots sent to each expert (it sums to 1), for
+      `update_router_bias` and logging.
     """
     B, T, D = x.shape
     K, E = self.experts_per_token, self.n_routed_experts
@@ -228,7 +229,7 @@ class MoE(nnx.Module):
   def _grouped_swiglu(self, rows, group_sizes, w_gate, w_up, w_down, *, backend="auto"):
     """The experts' SwiGLU on expert-sorted rows [R, D] -> f32[R, D] (rows past the groups give 0)."""
     gmm = lambda lhs, w: ops.grouped_matmul(lhs, w.astype(self.dtype), group_sizes, backend=backend)
-    f32 = lambda w: gmm(rows, w).astype(jnp.float32)  # the cast fuses into the SwiGLU: no f32 copy is kept
+    f32 = lambda w: gmm(rows, w).astype(jnp.float32)  # SwiGLU in f32, as with ragged_dot's f32 outputs
     h = swiglu(f32(w_gate), f32(w_up), self.swiglu_limit)  # f32[R, F]
     return gmm(h.astype(self.dtype), w_down).astype(jnp.float32)  # [R, D]
 

@@ -17,6 +17,8 @@ export them for a CUDA target instead (tests/test_grouped_matmul.py).
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,8 +75,6 @@ def _uniform_sizes(m: int, g: int) -> np.ndarray:
 
 def _seconds(fn, *args, reps: int = 5) -> float:
   """Median wall seconds of a compiled call, synchronised (the first call is the warm-up)."""
-  import time  # noqa: PLC0415
-
   jax.block_until_ready(fn(*args))
   times = []
   for _ in range(reps):

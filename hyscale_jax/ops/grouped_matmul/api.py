@@ -17,6 +17,7 @@ from hyscale_jax.ops.grouped_matmul.reference import (
 )
 from hyscale_jax.ops.grouped_matmul.vjp import grouped_with_vjp
 
+
 def _checked(check, run):
   """Runs `check(lhs, rhs, ...)` (NotImplementedError when the backend does not apply) before `run`.
 
@@ -91,7 +92,8 @@ def _check_args(lhs, rhs, group_sizes, transpose_rhs) -> None:
   k_axis = 2 if transpose_rhs else 1
   _checks.check_dim("rhs", rhs, k_axis, lhs.shape[1], f"K, from lhs.shape={tuple(lhs.shape)}, {transpose_rhs=}")
   if not hasattr(group_sizes, "shape") or group_sizes.ndim != 1:
-    raise ValueError(f"group_sizes must be an int array of shape [G], got {getattr(group_sizes, 'shape', group_sizes)}.")
+    shape = getattr(group_sizes, "shape", group_sizes)
+    raise ValueError(f"group_sizes must be an int array of shape [G], got group_sizes.shape={shape}.")
   _checks.check_int("group_sizes", group_sizes)
   if group_sizes.shape[0] != rhs.shape[0]:
     raise ValueError(f"group_sizes.shape={tuple(group_sizes.shape)} must be [G] with G={rhs.shape[0]} "
