@@ -74,7 +74,8 @@ class Config:
 
   @classmethod
   def search_space(cls, kind: str, m: int, k: int, n: int, g: int, itemsize: int = 2) -> tuple["Config", ...]:
-    """At most 6 configs: the heuristic and tiles of 64-128 rows x 64-256 columns, 4-6 stages.
+    """At most 6 configs: the heuristic and tiles of 64-128 rows x 64-256 columns, 4-6 stages, snake
+    bands of 1-16 N tiles (how long a row block's lhs tile stays hot in L2 for wide outputs like dx).
 
     Kept only if the tiles divide N (and K for dW, see `heuristics`) and the pipeline plus the
     output tile fit the H100/H200's 227 KiB of shared memory. One warpgroup holds the f32
@@ -83,7 +84,7 @@ class Config:
     _check_kind(kind)
     found = [cls.heuristics(kind, m, k, n, g)]
     for block_m, block_n, steps, grid_block_n in (
-        (128, 192, 4, 4), (64, 256, 4, 4), (128, 128, 6, 4), (64, 128, 6, 1), (128, 128, 4, 1), (128, 64, 6, 4)):
+        (128, 192, 4, 4), (64, 256, 4, 4), (128, 128, 6, 8), (128, 128, 4, 16), (64, 128, 6, 1), (128, 64, 6, 4)):
       if n % block_n or (kind == "transposed" and k % block_m):
         continue
       config = cls(block_m=block_m, block_n=block_n, max_concurrent_steps=steps, grid_block_n=grid_block_n)
