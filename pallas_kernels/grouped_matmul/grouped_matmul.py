@@ -2,6 +2,8 @@
 
 - `grouped_matmul_pallas`: `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot`, a persistent
   warpgroup-MMA kernel over (row block, N tile) pairs; `transpose_rhs` reads rhs as [G, N, K] (dx).
+  By default its variant in `ragged_dot_kernel.py`, which looks each tile's group up in a table
+  computed by XLA instead of a G-way unrolled loop, and skips tiles of no group (`Config.group_table`).
 - `transposed_grouped_matmul_pallas`: `transposed_ragged_dot_mgpu.transposed_ragged_dot`, per group
   `a_g^T @ b_g` into [G, P, Q] (dW), walking only each group's own rows.
 
@@ -106,7 +108,10 @@ def _config(kind, m, k, n, g, dtype, run, shapes):
 
 def _forward(lhs, rhs, group_sizes, config, transpose_rhs):
   """The kernel call on padded operands; out [M, N] with rows past the groups left unwritten."""
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: PLC0415 - imports Mosaic GPU
+  if config.group_table:
+    from pallas_kernels.grouped_matmul import ragged_dot_kernel as kernel  # noqa: PLC0415 - imports Mosaic GPU
+  else:
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as kernel  # noqa: PLC0415
 
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -114,7 +119,7 @@ def _forward(lhs, rhs, group_sizes, config, transpose_rhs):
   lhs = _pad_axis(_pad_axis(lhs, 1, config.block_k), 0, 8)
   rhs = _pad_axis(_pad_axis(rhs, 2 if transpose_rhs else 1, config.block_k), 1 if transpose_rhs else 2,
                   config.block_n)
-  out = ragged_dot_mgpu.ragged_dot(
+  out = kernel.ragged_dot(
       lhs, rhs, group_sizes=group_sizes, block_m=config.block_m, block_n=config.block_n,
       block_k=config.block_k, max_concurrent_steps=config.max_concurrent_steps,
       grid_block_n=config.grid_block_n, transpose_rhs=transpose_rhs)
