@@ -8,6 +8,7 @@ cache and config logic is plain Python and is tested here on CPU.
 import json
 import math
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -323,10 +324,11 @@ def test_pallas_pads_odd_widths_and_ignores_poisoned_rows():
 
 def test_bench_smoke(tmp_path):
   out = tmp_path / "gmm.json"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run([sys.executable, "bench/grouped_matmul.py", "--smoke", "--out", str(out)], env=env,
-                        capture_output=True, text=True, timeout=300)
+                        cwd=root, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   rows = json.loads(out.read_text())["rows"]
   assert {r["pass"] for r in rows} == {"forward", "dx", "dw"}
