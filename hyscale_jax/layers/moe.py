@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
