@@ -19,6 +19,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.ops.indexer_loss = "auto"
   # The dense warm-up stage's attention (ops.causal_attention).
   config.ops.causal_attention = "auto"
+  # The MoE's expert matmuls (ops.grouped_matmul).
+  config.ops.grouped_matmul = "auto"
   # A named preset that overrides `ops` and the remat/holistic `model` fields: "" (none),
   # "megatron_style", "+flashtopk", "+replay", "hyscale" or "+replay+<optimization>"
   # (hyscale_jax/training/step_modes.py).

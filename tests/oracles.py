@@ -22,6 +22,7 @@ __all__ = [
     "sparse_attention_grads_oracle",
     "indexer_loss_oracle",
     "indexer_loss_grads_oracle",
+    "grouped_matmul_oracle",
 ]
 
 
@@ -406,3 +407,33 @@ def indexer_loss_grads_oracle(
                     dq[b, t, h] += index_scale * gj * w[b, t, h] * ik[b, s]
                     dk[b, s] += index_scale * gj * w[b, t, h] * iq[b, t, h]
     return dq, dk, (None if index_weights is None else dw)
+
+
+# ---------------------------------------------------------------------------
+# Grouped matmul (MoE experts): one matmul per run of rows
+# ---------------------------------------------------------------------------
+def grouped_matmul_oracle(lhs, rhs, group_sizes, dout=None, *, transpose_rhs=False):
+    """out[r] = lhs[r] @ W_g for group g's rows (W_g = rhs[g], or rhs[g].T with transpose_rhs).
+
+    Rows past sum(group_sizes) are 0. With `dout` f64[M, N] also returns the gradients
+    (dlhs f64[M, K], drhs f64 like rhs) of sum(out * dout); rows past the sum get dlhs = 0.
+
+    Returns:
+      out f64[M, N], or (out, dlhs, drhs) when dout is given.
+    """
+    lhs, rhs = _f64(lhs), _f64(rhs)
+    w = np.transpose(rhs, (0, 2, 1)) if transpose_rhs else rhs  # [G, K, N]
+    M, N = lhs.shape[0], w.shape[2]
+    out = np.zeros((M, N))
+    dlhs, dw = np.zeros_like(lhs), np.zeros_like(w)
+    start = 0
+    for g, size in enumerate(np.asarray(group_sizes).tolist()):
+        rows = slice(start, start + size)
+        out[rows] = lhs[rows] @ w[g]
+        if dout is not None:
+            dlhs[rows] = _f64(dout)[rows] @ w[g].T
+            dw[g] = lhs[rows].T @ _f64(dout)[rows]
+        start += size
+    if dout is None:
+        return out
+    return out, dlhs, (np.transpose(dw, (0, 2, 1)) if transpose_rhs else dw)

@@ -33,6 +33,9 @@ _SCRIPTS = {
                          and all(r["max_out_diff"] < 1e-4 for r in data["rows"][1:])),
     "model_step": (["bench/model_step.py", "--smoke", "--modes", "hyscale"],
                    lambda data: all(_positive(r.get("steps_per_s", -1.0)) for r in data["rows"])),
+    "grouped_matmul": (["bench/grouped_matmul.py", "--smoke"],
+                       lambda data: {r["pass"] for r in data["rows"]} == {"forward", "dx", "dw"}
+                       and all(r["check_ok"] and _positive(r["ms"]) and _positive(r["tflops"]) for r in data["rows"])),
 }
 
 

@@ -52,14 +52,16 @@ class MLP(nnx.Module):
     self.up_proj = linear(d_model, hidden, (shd.EMBED, shd.MLP))
     self.down_proj = linear(hidden, d_model, (shd.MLP, shd.EMBED))
 
-  def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+  def __call__(self, x: Float[Array, "B T D"], *, backends=None) -> Float[Array, "B T D"]:
     """Applies the SwiGLU block.
 
     Args:
       x: bf16|f32[B, T, D] (any leading dims work; only the last one is contracted).
+      backends: ignored (plain dense matmuls); accepted so a decoder layer calls its MLP and its MoE alike.
 
     Returns:
       [B, T, D] in the module `dtype` (nnx.Linear promotes its inputs to it).
     """
+    del backends
     h = swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit)  # [B, T, F]
     return self.down_proj(h)  # [B, T, D]

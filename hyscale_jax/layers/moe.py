@@ -1,7 +1,8 @@
-"""DeepSeek-style MoE: noaux_tc top-k routing, `ragged_dot` grouped-matmul experts, shared experts."""
+"""DeepSeek-style MoE: noaux_tc top-k routing, `ops.grouped_matmul` experts, shared experts."""
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from hyscale_jax import ops
 from hyscale_jax import sharding as shd
 from hyscale_jax.parallel import expert as expert_parallel
 from hyscale_jax.layers.mlp import MLP, swiglu
@@ -48,8 +50,9 @@ class MoE(nnx.Module):
   experts' *unbiased* scores, optionally renormalised to sum to 1, times `routed_scaling`.
 
   Experts are stored stacked (`experts_gate_proj` [E, D, F], `experts_up_proj` [E, D, F],
-  `experts_down_proj` [E, F, D]) and run as grouped matmuls with `jax.lax.ragged_dot` over
-  expert-sorted token copies, so the cost is O(N * k) rows, not O(N * E).
+  `experts_down_proj` [E, F, D]) and run as grouped matmuls (`ops.grouped_matmul`, whose backward is
+  grouped matmuls too) over expert-sorted token copies, so time and memory are O(N * k) rows x width,
+  never O(N * E).
   """
 
   def __init__(
@@ -173,28 +176,32 @@ class MoE(nnx.Module):
       weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return expert_ids, weights * self.routed_scaling
 
-  def __call__(self, x: Float[Array, "B T D"]) -> tuple[Float[Array, "B T D"], Float[Array, "E"]]:
+  def __call__(self, x: Float[Array, "B T D"], *, backends=None) -> tuple[Float[Array, "B T D"], Float[Array, "E"]]:
     """Routes each token to k experts, runs them as grouped matmuls, adds the shared experts.
 
     Args:
       x: bf16|f32[B, T, D].
+      backends: an object whose `grouped_matmul` names the op's backend (`config.ops`); None or a
+        missing attribute means "auto".
 
     Returns:
       (y [B, T, D] in `x.dtype`, expert_load f32[E]). The expert matmuls run in the module `dtype`
-      with f32 accumulation, and the combine is in f32. `expert_load` is the fraction of the N*k
-      routing slots sent to each expert (it sums to 1), for `update_router_bias` and logging.
+      with f32 accumulation (their outputs rounded to `dtype`); SwiGLU and the combine are in f32.
+      `expert_load` is the fraction of the N*k routing slots sent to each expert (it sums to 1), for
+      `update_router_bias` and logging.
     """
     B, T, D = x.shape
     K, E = self.experts_per_token, self.n_routed_experts
     flat = x.reshape(B * T, D)  # [N, D]
     expert_ids, weights = self.route(flat)  # [N, K], [N, K]
     experts = (self.experts_gate_proj[...], self.experts_up_proj[...], self.experts_down_proj[...])
+    grouped = functools.partial(self._grouped_swiglu, backend=getattr(backends, "grouped_matmul", "auto"))
     mesh = expert_parallel.expert_mesh()
     if mesh is None:
-      out, group_sizes = self._local_experts(flat.astype(self.dtype), expert_ids, experts)  # f32[N, K, D]
+      out, group_sizes = self._local_experts(flat.astype(self.dtype), expert_ids, experts, grouped)  # f32[N, K, D]
     else:  # the experts are split over the mesh's `expert` axis: all-to-all dispatch
       out, group_sizes = expert_parallel.expert_parallel(
-          x.astype(self.dtype), expert_ids.reshape(B, T, K), experts, self._grouped_swiglu, mesh=mesh)
+          x.astype(self.dtype), expert_ids.reshape(B, T, K), experts, grouped, mesh=mesh)
       out = out.reshape(B * T, K, D)
     y = jnp.einsum("NKD,NK->ND", out, weights)  # f32[N, D]
 
@@ -206,25 +213,24 @@ class MoE(nnx.Module):
     expert_load = group_sizes.astype(jnp.float32) / (B * T * K)  # [E]
     return y.reshape(B, T, D).astype(x.dtype), expert_load
 
-  def _local_experts(self, flat, expert_ids, experts):
+  def _local_experts(self, flat, expert_ids, experts, grouped):
     """All experts on this device: (f32[N, K, D] each copy's expert output, i32[E] copies per expert)."""
     N, K = expert_ids.shape
-    # Sort the N*K token copies by expert so each expert's rows are contiguous for ragged_dot.
+    # Sort the N*K token copies by expert so each expert's rows are contiguous for the grouped matmul.
     slot_ids = expert_ids.reshape(-1)  # [N*K]
     order = jnp.argsort(slot_ids, stable=True)  # [N*K]
     group_sizes = jnp.bincount(slot_ids, length=self.n_routed_experts).astype(jnp.int32)  # [E]
     rows = flat[order // K]  # [N*K, D], row j is a copy of token order[j] // K
-    out = self._grouped_swiglu(rows, group_sizes, *experts)  # f32[N*K, D]
+    out = grouped(rows, group_sizes, *experts)  # f32[N*K, D]
     out = jnp.zeros_like(out).at[order].set(out)  # [N*K, D], back in (token, k) order
     return out.reshape(N, K, -1), group_sizes
 
-  def _grouped_swiglu(self, rows, group_sizes, w_gate, w_up, w_down):
+  def _grouped_swiglu(self, rows, group_sizes, w_gate, w_up, w_down, *, backend="auto"):
     """The experts' SwiGLU on expert-sorted rows [R, D] -> f32[R, D] (rows past the groups give 0)."""
-    gmm = lambda lhs, w: jax.lax.ragged_dot(
-        lhs, w.astype(self.dtype), group_sizes, preferred_element_type=jnp.float32
-    )
-    h = swiglu(gmm(rows, w_gate), gmm(rows, w_up), self.swiglu_limit)  # [R, F]
-    return gmm(h.astype(self.dtype), w_down)  # f32[R, D]
+    gmm = lambda lhs, w: ops.grouped_matmul(lhs, w.astype(self.dtype), group_sizes, backend=backend)
+    f32 = lambda w: gmm(rows, w).astype(jnp.float32)  # SwiGLU in f32, as with ragged_dot's f32 outputs
+    h = swiglu(f32(w_gate), f32(w_up), self.swiglu_limit)  # f32[R, F]
+    return gmm(h.astype(self.dtype), w_down).astype(jnp.float32)  # [R, D]
 
 
 def update_router_bias(moe: MoE, expert_load: Float[Array, "E"], rate: float) -> None:

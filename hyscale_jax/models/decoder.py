@@ -74,7 +74,7 @@ class DecoderLayer(nnx.Module):
                           shared_indices=shared_indices, backends=backends)
     x = _leave(self.attn_hc, x, attn.out, mix)
     h, mix = _enter(self.mlp_hc, x)
-    ffn = self.mlp(prenorm(self.post_attention_layernorm, h))
+    ffn = self.mlp(prenorm(self.post_attention_layernorm, h), backends=backends)
     ffn, load = ffn if isinstance(ffn, tuple) else (ffn, None)
     return _leave(self.mlp_hc, x, ffn, mix), attn.indices, attn.indexer_loss, load
 

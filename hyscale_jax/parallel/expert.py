@@ -7,9 +7,12 @@ experts as grouped matmuls, and a second all-to-all brings the outputs back to t
 devices. No token is dropped: a device may receive every copy of every sender, so the receive
 buffer is sized for that (n x the local copies); the matmuls skip the unused rows.
 
-`jax.lax.ragged_all_to_all` would move only the filled rows, but XLA:CPU does not implement it
-("UNIMPLEMENTED: HLO opcode `ragged-all-to-all`"), so the dense all-to-all keeps this path testable
-on CPU devices.
+On GPU the two exchanges are `jax.lax.ragged_all_to_all`s instead: each device sends only its filled
+rows, packed, and receives the senders' blocks back to back (the receive buffer is still sized for
+the worst case, n x the local copies). XLA:CPU does not implement it ("UNIMPLEMENTED: HLO opcode
+`ragged-all-to-all`"), so on CPU the dense all-to-all (every block padded to the local copies) keeps
+this path testable; tests/test_expert_parallel.py runs the ragged bookkeeping on CPU with an emulated
+exchange and lowers the real one for CUDA.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def expert_mesh():
   return mesh if mesh.shape[EXPERT_AXIS] > 1 else None
 
 
-def expert_parallel(x, expert_ids, expert_weights: tuple, grouped_fn: Callable, *, mesh):
+def expert_parallel(x, expert_ids, expert_weights: tuple, grouped_fn: Callable, *, mesh, ragged: bool | None = None):
   """Runs each token copy through its expert, the experts split over `mesh`'s `expert` axis.
 
   Args:
@@ -43,6 +46,8 @@ def expert_parallel(x, expert_ids, expert_weights: tuple, grouped_fn: Callable, 
     grouped_fn: `grouped_fn(rows [R, D], group_sizes i32[E / n], *local_weights) -> f32[R, D]`, the
       experts on rows sorted by local expert (rows past sum(group_sizes) are padding).
     mesh: from `expert_mesh()`.
+    ragged: exchange with `ragged_all_to_all` (only filled rows) instead of padded blocks; None
+      chooses by platform (GPU: ragged).
 
   Returns:
     (f32[B, T, K, D] each copy's expert output, i32[E] copies per expert over the whole batch).
@@ -64,11 +69,12 @@ def expert_parallel(x, expert_ids, expert_weights: tuple, grouped_fn: Callable, 
                      f"{seq!r} for expert parallelism.")
   tokens = P(batch, seq)
   token_axes = batch + ((seq,) if seq else ())
+  dispatch = _dispatch_ragged if (jax.default_backend() == "gpu" if ragged is None else ragged) else _dispatch
 
   def body(x, ids, *weights):
     b, t, D = x.shape
     K = ids.shape[-1]
-    out, counts = _dispatch(x.reshape(b * t, D), ids.reshape(b * t, K), weights, grouped_fn, n, E // n)
+    out, counts = dispatch(x.reshape(b * t, D), ids.reshape(b * t, K), weights, grouped_fn, n, E // n)
     return out.reshape(b, t, K, D), jax.lax.psum(counts, token_axes)
 
   return jax.shard_map(
@@ -106,3 +112,43 @@ def _dispatch(x, ids, weights, grouped_fn, n: int, e_local: int):
   back = jax.lax.all_to_all(out, EXPERT_AXIS, 0, 0, tiled=True)  # [n, C, D], block d from device d
   mine = back[dest, pos]  # [C, D] in sorted-copy order
   return jnp.zeros_like(mine).at[order].set(mine).reshape(N, K, D), counts
+
+
+def _dispatch_ragged(x, ids, weights, grouped_fn, n: int, e_local: int):
+  """`_dispatch` with ragged exchanges: only filled rows travel, packed sender after sender.
+
+  x: [N, D] local tokens; ids: i32[N, K] global experts. Returns (f32[N, K, D], i32[E] local counts).
+  """
+  N, D = x.shape
+  K = ids.shape[1]
+  C = N * K
+  slots = ids.reshape(-1)  # [C]
+  order = jnp.argsort(slots, stable=True)  # [C], copies sorted by global expert, so by owning device
+  counts = jnp.bincount(slots, length=n * e_local).astype(jnp.int32)  # [E]
+  rows = x[order // K]  # [C, D]
+  me = jax.lax.axis_index(EXPERT_AXIS)
+  every = jax.lax.all_gather(counts, EXPERT_AXIS).reshape(n, n, e_local)  # [sender, owner, local expert]
+  sent = every.sum(-1)  # [sender, receiver] rows
+  recv_counts = jax.lax.dynamic_index_in_dim(every, me, axis=1, keepdims=False)  # [sender, E/n]
+  exclusive = lambda a, axis: jnp.cumsum(a, axis=axis) - a
+  send_sizes, recv_sizes = sent[me], sent[:, me]  # [n], [n]
+  send_starts, recv_starts = exclusive(send_sizes, 0), exclusive(recv_sizes, 0)  # [n], [n]
+  # My block lands on receiver j after the blocks of the senders before me.
+  recv = _ragged_all_to_all(rows, jnp.zeros((n * C, D), x.dtype), send_starts, send_sizes,
+                            exclusive(sent, 0)[me], recv_sizes, axis_name=EXPERT_AXIS)  # [n*C, D] packed
+
+  # Received rows run (sender, local expert)-major; regroup by local expert, unused rows last.
+  segment = jnp.searchsorted(jnp.cumsum(recv_counts.reshape(-1)), jnp.arange(n * C), side="right")  # [n*C]
+  local_expert = jnp.where(segment < n * e_local, segment % e_local, e_local)
+  regroup = jnp.argsort(local_expert, stable=True)  # [n*C]
+  out = grouped_fn(recv[regroup], recv_counts.sum(axis=0), *weights)  # f32[n*C, D]
+  out = jnp.zeros_like(out).at[regroup].set(out)  # back in received order
+
+  # Sender s gets its rows back where it sent them from: its send start for me.
+  mine = _ragged_all_to_all(out, jnp.zeros((C, D), out.dtype), recv_starts, recv_sizes,
+                            exclusive(sent, 1)[:, me], send_sizes, axis_name=EXPERT_AXIS)  # [C, D]
+  return jnp.zeros_like(mine).at[order].set(mine).reshape(N, K, D), counts
+
+
+# The exchange `_dispatch_ragged` uses; tests swap in an emulation to run it on CPU devices.
+_ragged_all_to_all = jax.lax.ragged_all_to_all

@@ -1,0 +1,278 @@
+"""The MoE's grouped matmul at real shapes: forward, dx and dW, against `lax.ragged_dot` and torch (issue 19).
+
+    python bench/grouped_matmul.py --out bench/results/grouped_matmul.json            # the H200 run
+    python bench/grouped_matmul.py --shapes glm5_16k glm5_16k_zipf --out ...         # a subset
+    python bench/grouped_matmul.py --smoke --out /tmp/gmm.json                         # CPU, reference only
+
+Shapes (bf16, the `full` configs; M = tokens x top-k routed rows, G = experts):
+- `glm5_16k`, `glm5_64k`: GLM-5.1 (D 6144, F 2048, E 256, top-8) at 16K and 64K tokens;
+- `dsv4_16k`: DeepSeek-V4-Flash (D 4096, F 2048, E 256, top-6) at 16K;
+- `qwen_16k`: Qwen3.8-Flash-Next (D 2560, F 640, E 512, top-10) at 16K;
+- `glm5_16k_zipf`: GLM-5.1 at 16K with a skewed load (expert e gets rows ~ 1 / (e + 1)^0.8; the
+  busiest expert has ~60x the rows of the idlest). The others split the rows evenly.
+
+Passes, one row each per backend: `forward` x[M, D] @ W[E, D, F] (the gate/up projection),
+`dx` dout[M, F] @ W^T (`transpose_rhs`, the same W) and `dw` x_g^T @ dout_g -> [E, D, F]
+(the transposed kernel). FLOPs are 2 M D F for each. Backends: `pallas` (this repo's op: JAX's
+Hopper Mosaic GPU kernels, autotuned), `ragged_dot` (`lax.ragged_dot`, and for dW
+`lax.ragged_dot_general` with the rows contracted, as JAX differentiates ragged_dot), and
+`torch_grouped_mm` (`torch._grouped_mm` in a subprocess, so the two allocators do not fight; only
+when torch imports). Each row: median ms after a warm-up, TFLOP/s, and `vs_ragged_dot` (ragged_dot's
+time / this time), or the failure ("OOM", "compile error"). On CPU (`--smoke`) the op's backend is
+`reference` and there is no torch row.
+
+Correctness before timing: the output buffer is poisoned (a NaN buffer of its size freed just before),
+then every output is checked against float32 products of the same bf16 inputs on 6 sampled groups (the
+first, the last, the largest, an empty one if any, and two random), so the check does not depend on
+ragged_dot compiling; rows record `rel_err` and `check_ok`. Inputs are random normal, never zeros.
+
+Budget (one H200): the autotuner measures 4-6 configs per (pass, shape) the first time (the skewed
+shape reuses glm5_16k's entries; the cache key is the sizes, not the load): 12 tunings x <= 6 Mosaic
+compiles, expected ~2-3 minutes, plus ragged_dot's attempts (XLA rewrites it into a dense dot over a
+[G, M, D] masked copy and fails to compile or runs out of memory at these shapes) and the torch
+subprocess (~30 s). Expect 4-6 minutes for all shapes; split with `--shapes` if a call runs long.
+Tuned configs are cached under `$HYSCALE_CACHE_DIR` (see pallas_kernels/grouped_matmul/autotune.py).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, ".")
+sys.path.insert(0, "bench")
+from hyscale_jax import ops  # noqa: E402
+from hyscale_jax.ops.grouped_matmul import (  # noqa: E402
+    grouped_matmul_reference,
+    transposed_grouped_matmul_reference,
+)
+from layer_step import Results, is_oom, poison  # noqa: E402
+from timing import timed  # noqa: E402
+
+# name -> (tokens, D, F, E, top-k, load)
+SHAPES = {
+    "glm5_16k": (16384, 6144, 2048, 256, 8, "uniform"),
+    "glm5_16k_zipf": (16384, 6144, 2048, 256, 8, "zipf"),
+    "glm5_64k": (65536, 6144, 2048, 256, 8, "uniform"),
+    "dsv4_16k": (16384, 4096, 2048, 256, 6, "uniform"),
+    "qwen_16k": (16384, 2560, 640, 512, 10, "uniform"),
+}
+SMOKE_SHAPES = {"smoke": (32, 64, 32, 4, 2, "uniform"), "smoke_zipf": (32, 64, 32, 4, 2, "zipf")}
+PASSES = ("forward", "dx", "dw")
+
+
+def group_sizes(m: int, g: int, load: str) -> np.ndarray:
+  """int32[g] summing to m: even, or Zipf-like (rows ~ 1 / (e + 1)^0.8, shuffled over experts)."""
+  if load == "uniform":
+    weights = np.ones(g)
+  else:
+    weights = 1.0 / np.arange(1, g + 1) ** 0.8
+    np.random.default_rng(1).shuffle(weights)
+  sizes = np.floor(weights / weights.sum() * m).astype(np.int64)
+  sizes[np.argmax(sizes)] += m - sizes.sum()
+  return sizes.astype(np.int32)
+
+
+def make_inputs(tokens, d, f, e, k, load, dtype):
+  m = tokens * k
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (m, d), dtype)
+  w = jax.random.normal(keys[1], (e, d, f), dtype) * jnp.asarray(d**-0.5, dtype)
+  dout = jax.random.normal(keys[2], (m, f), dtype)
+  return x, w, dout, group_sizes(m, e, load)
+
+
+def pass_fns(backend: str):
+  """pass -> jitted (x, w, dout, sizes) -> output, for the op's `backend` or for "ragged_dot"."""
+  if backend == "ragged_dot":  # the raw lax calls, as JAX differentiates ragged_dot (no custom_vjp)
+    return {
+        "forward": lambda x, w, dout, s: grouped_matmul_reference(x, w, s),
+        "dx": lambda x, w, dout, s: grouped_matmul_reference(dout, w, s, transpose_rhs=True),
+        "dw": lambda x, w, dout, s: transposed_grouped_matmul_reference(x, dout, s),
+    }
+  if backend == "pallas":
+    from pallas_kernels.grouped_matmul import transposed_grouped_matmul_pallas as transposed  # noqa: PLC0415
+  else:
+    transposed = transposed_grouped_matmul_reference
+  return {
+      "forward": lambda x, w, dout, s: ops.grouped_matmul(x, w, s, backend=backend),
+      "dx": lambda x, w, dout, s: ops.grouped_matmul(dout, w, s, transpose_rhs=True, backend=backend),
+      "dw": lambda x, w, dout, s: transposed(x, dout, s),
+  }
+
+
+def sampled_groups(sizes: np.ndarray, n: int = 6) -> list[int]:
+  picks = {0, len(sizes) - 1, int(np.argmax(sizes))}
+  empty = np.flatnonzero(sizes == 0)
+  if empty.size:
+    picks.add(int(empty[0]))
+  rng = np.random.default_rng(2)
+  while len(picks) < min(n, len(sizes)):
+    picks.add(int(rng.integers(len(sizes))))
+  return sorted(picks)
+
+
+def check(pass_name, out, x, w, dout, sizes):
+  """Relative Frobenius error of `out` on sampled groups against f32 products of the same inputs."""
+  starts = np.concatenate([[0], np.cumsum(sizes)])
+  num = den = 0.0
+  for g in sampled_groups(sizes):
+    a, b = int(starts[g]), int(starts[g + 1])
+    f32 = lambda y: y.astype(jnp.float32)
+    if pass_name == "forward":
+      got, want = out[a:b], f32(x[a:b]) @ f32(w[g])
+    elif pass_name == "dx":
+      got, want = out[a:b], f32(dout[a:b]) @ f32(w[g]).T
+    else:
+      got, want = out[g], f32(x[a:b]).T @ f32(dout[a:b])
+    num += float(jnp.sum((f32(got) - want) ** 2))
+    den += float(jnp.sum(want**2))
+  if pass_name != "dw" and starts[-1] < out.shape[0]:  # rows past the groups must be exactly 0
+    num += float(jnp.sum(jnp.abs(out[int(starts[-1]):].astype(jnp.float32))))
+  return float(np.sqrt(num / max(den, 1e-30)))
+
+
+def failure(err: Exception) -> str:
+  return "OOM" if is_oom(err) else "compile error" if "compil" in str(err).lower() else f"error: {str(err)[:200]}"
+
+
+def run_one(name, shape, pass_name, backend, inputs, reps, tolerance):
+  tokens, d, f, e, k, load = shape
+  x, w, dout, sizes_np = inputs
+  sizes = jnp.asarray(sizes_np)
+  m = x.shape[0]
+  row = dict(shape=name, tokens=tokens, M=m, D=d, F=f, E=e, topk=k, load=load, **{"pass": pass_name},
+             backend=backend, max_group=int(sizes_np.max()), min_group=int(sizes_np.min()))
+  fn = jax.jit(pass_fns(backend)[pass_name])
+  try:
+    compiled = fn.lower(x, w, dout, sizes).compile()
+    out_shape = jax.eval_shape(fn, x, w, dout, sizes)
+    poison(out_shape)
+    out = compiled(x, w, dout, sizes)
+    row["rel_err"] = check(pass_name, out, x, w, dout, sizes)
+    row["check_ok"] = bool(row["rel_err"] < tolerance)
+    del out
+    seconds = timed(compiled, x, w, dout, sizes, reps=reps)
+  except Exception as err:  # noqa: BLE001 - a failing baseline is a result ("OOM", "compile error")
+    row.update(ms=failure(err), tflops=None, check_ok=False)
+    return row
+  row.update(ms=seconds * 1e3, tflops=2.0 * m * d * f / seconds / 1e12)
+  if backend == "pallas":
+    row["config"] = pallas_config(pass_name, m, d, f, e, x.dtype)
+  return row
+
+
+def pallas_config(pass_name, m, d, f, e, dtype):
+  """The block config the pallas backend used (cached when tuned, else the heuristic)."""
+  import dataclasses  # noqa: PLC0415
+
+  from pallas_kernels.grouped_matmul import autotune  # noqa: PLC0415
+  kind, k, n = {"forward": ("forward", d, f), "dx": ("forward_transposed_rhs", f, d),
+                 "dw": ("transposed", d, f)}[pass_name]
+  found = autotune.cached_config(jax.devices()[0].device_kind, autotune.cache_key(kind, m, k, n, e, dtype))
+  return dataclasses.asdict(found or autotune.Config.heuristics(kind, m, k, n, e))
+
+
+_TORCH = r"""
+import json, sys, time, torch
+spec = json.loads(sys.argv[1]); rows = []
+for case in spec:
+  m, d, f, e = case["M"], case["D"], case["F"], case["E"]
+  offs = torch.tensor(case["offsets"], dtype=torch.int32, device="cuda")
+  x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+  dout = torch.randn(m, f, device="cuda", dtype=torch.bfloat16)
+  # torch's Hopper grouped GEMM wants A row-major and B column-major: each pass gets its own layout,
+  # made before timing (as torch's autograd keeps both weight layouts around).
+  w_fd = (torch.randn(e, f, d, device="cuda") * d ** -0.5).to(torch.bfloat16)  # W^T rows
+  w_df = w_fd.transpose(-2, -1).contiguous()
+  x_t, dout_cm = x.t().contiguous(), dout.t().contiguous().t()
+  fns = {"forward": lambda: torch._grouped_mm(x, w_fd.transpose(-2, -1), offs=offs),
+         "dx": lambda: torch._grouped_mm(dout, w_df.transpose(-2, -1), offs=offs),
+         "dw": lambda: torch._grouped_mm(x_t, dout_cm, offs=offs)}
+  for name, fn in fns.items():
+    try:
+      fn(); torch.cuda.synchronize(); times = []
+      for _ in range(case["reps"]):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(); fn(); end.record(); torch.cuda.synchronize(); times.append(start.elapsed_time(end))
+      ms = sorted(times)[len(times) // 2]
+      rows.append(dict(shape=case["shape"], **{"pass": name}, ms=ms, tflops=2.0 * m * d * f / ms / 1e9))
+    except Exception as err:
+      rows.append(dict(shape=case["shape"], **{"pass": name}, ms="error: " + str(err)[:200], tflops=None))
+print("ROWS" + json.dumps(rows))
+"""
+
+
+def torch_rows(cases, reps):
+  """torch._grouped_mm on the same shapes and group sizes, in a subprocess; [] when torch is missing."""
+  try:
+    import importlib.util  # noqa: PLC0415
+    if importlib.util.find_spec("torch") is None:
+      return []
+  except (ImportError, ValueError):
+    return []
+  spec = [dict(shape=name, M=int(sizes.sum()), D=d, F=f, E=e, reps=reps,
+               offsets=np.cumsum(sizes).astype(int).tolist()) for name, (_, d, f, e, _, _), sizes in cases]
+  proc = subprocess.run([sys.executable, "-c", _TORCH, json.dumps(spec)], capture_output=True, text=True, timeout=300)
+  lines = [line for line in proc.stdout.splitlines() if line.startswith("ROWS")]
+  if not lines:
+    print(f"torch run failed: {proc.stderr[-1000:]}", file=sys.stderr)
+    return []
+  return json.loads(lines[-1][4:])
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="bench/results/grouped_matmul.json")
+  parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+  parser.add_argument("--reps", type=int, default=10)
+  parser.add_argument("--append", action="store_true")
+  parser.add_argument("--no-tune", action="store_true", help="use the heuristic/cached configs only")
+  parser.add_argument("--baseline-max-rows", type=int, default=0,
+                      help="skip ragged_dot above this many routed rows (0: always try; it fails slowly at scale)")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, reference backend only")
+  args = parser.parse_args()
+  if args.smoke:
+    shapes, backends, dtype, tolerance = SMOKE_SHAPES, ("reference", "ragged_dot"), jnp.float32, 1e-4
+  else:
+    from pallas_kernels.grouped_matmul import set_autotune  # noqa: PLC0415
+    set_autotune(not args.no_tune)
+    shapes = {name: SHAPES[name] for name in args.shapes}
+    backends, dtype, tolerance = ("pallas", "ragged_dot"), jnp.bfloat16, 2e-2
+  # torch first, before JAX claims 95% of the GPU (its pool is only freed at exit).
+  loads = {name: group_sizes(shape[0] * shape[4], shape[3], shape[5]) for name, shape in shapes.items()}
+  anchors = [] if args.smoke else torch_rows([(n, shapes[n], loads[n]) for n in shapes], args.reps)
+  results = Results(args.out, args.append)
+  print(f"device {jax.devices()[0].device_kind}; shapes {list(shapes)}; backends {backends}", flush=True)
+  for name, shape in shapes.items():
+    inputs = make_inputs(*shape, dtype)
+    for pass_name in PASSES:
+      skip = args.baseline_max_rows and inputs[0].shape[0] > args.baseline_max_rows
+      rows = [dict(shape=name, M=inputs[0].shape[0], **{"pass": pass_name}, backend=b, ms="skipped", tflops=None)
+              if b == "ragged_dot" and skip else run_one(name, shape, pass_name, b, inputs, args.reps, tolerance)
+              for b in backends]
+      base = rows[-1]["ms"]
+      for row in rows:
+        ms = row["ms"]
+        row["vs_ragged_dot"] = (base / ms) if isinstance(ms, float) and isinstance(base, float) else base
+        print(json.dumps(row), flush=True)
+        results.add(row)
+    del inputs
+  by_key = {(r["shape"], r["pass"]): r for r in results.data["rows"] if r["backend"] == "ragged_dot"}
+  for row in anchors:
+    base = by_key.get((row["shape"], row["pass"]), {}).get("ms")
+    row.update(backend="torch_grouped_mm",
+               vs_ragged_dot=base / row["ms"] if isinstance(base, float) and isinstance(row["ms"], float) else base)
+    print(json.dumps(row), flush=True)
+    results.add(row)
+
+
+if __name__ == "__main__":
+  main()

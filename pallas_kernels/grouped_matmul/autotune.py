@@ -1,0 +1,200 @@
+"""Block configs for the grouped-matmul kernels: heuristics, a small search space, and an on-disk cache.
+
+A config is measured once per (op kind, M, K, N, G, dtype, GPU) and kept in
+`$HYSCALE_CACHE_DIR/<device_kind>/grouped_matmul.json` (default root `~/.cache/hyscale_jax/autotune`).
+Tuning is off by default, so a call without a cached entry takes `Config.heuristics`: set
+`HYSCALE_AUTOTUNE=1` or call `set_autotune(True)` to measure missing entries (bench/grouped_matmul.py
+does). Cached entries are used whether tuning is on or not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+KINDS = ("forward", "forward_transposed_rhs", "transposed")
+_FILE = "grouped_matmul.json"
+_LOCK = threading.Lock()
+_STATE = {"enabled": None}  # None: read HYSCALE_AUTOTUNE
+_MEMORY: dict[str, dict] = {}  # cache file path -> its entries, read once per process
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tiling of JAX's Hopper ragged-dot kernels.
+
+  block_m x block_n is one warpgroup's f32 accumulator tile; block_k the K step of the TMA pipeline,
+  `max_concurrent_steps` pipeline stages in shared memory; `grid_block_n` the width (in N tiles) of
+  the snake order in which the persistent grid walks output tiles (L2 reuse of the weights).
+  """
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  max_concurrent_steps: int = 4
+  grid_block_n: int = 1
+  # Forward/dx only: our variant of JAX's kernel with a precomputed tile table (ragged_dot_kernel.py);
+  # False runs JAX's `ragged_dot_mgpu` as shipped. The dW kernel is JAX's either way.
+  group_table: bool = True
+
+  def __post_init__(self):
+    for name in ("block_m", "block_n", "block_k"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 64 or value % 64 or value > 256:
+        raise ValueError(f"Config.{name}={value!r} must be a multiple of 64 in [64, 256].")
+    if not 1 <= self.max_concurrent_steps <= 8:
+      raise ValueError(f"Config.max_concurrent_steps={self.max_concurrent_steps!r} must be in [1, 8].")
+    if self.grid_block_n < 1 or self.grid_block_n & (self.grid_block_n - 1):
+      raise ValueError(f"Config.grid_block_n={self.grid_block_n!r} must be a power of two.")
+    if not isinstance(self.group_table, bool):
+      raise ValueError(f"Config.group_table={self.group_table!r} must be a bool.")
+
+  def smem_bytes(self, itemsize: int) -> int:
+    """Shared memory of the input pipeline (the output tile reuses it after the K loop)."""
+    return self.max_concurrent_steps * (self.block_m + self.block_n) * self.block_k * itemsize
+
+  @classmethod
+  def heuristics(cls, kind: str, m: int, k: int, n: int, g: int) -> "Config":
+    """The default when nothing is cached: 128 x 128 tiles, 4 stages (128 KiB of bf16 pipeline).
+
+    Tiles divide N (and, for the dW kernel, whose output is [K, N], also K) where 128 or 64 can,
+    so the wrappers need not pad (a padded weight is a copy). `grid_block_n` 4 walks 4 N-tiles per
+    snake band when there are that many.
+    """
+    _check_kind(kind)
+    del m, g
+    block_m = 128 if kind != "transposed" or k % 128 == 0 else 64
+    block_n = 128 if n % 128 == 0 else 64
+    return cls(block_m=block_m, block_n=block_n, grid_block_n=4 if n // block_n >= 8 else 1)
+
+  @classmethod
+  def search_space(cls, kind: str, m: int, k: int, n: int, g: int, itemsize: int = 2) -> tuple["Config", ...]:
+    """At most 6 configs: the heuristic (forward/dx: also on JAX's kernel as shipped) and tiles of
+    64-128 rows x 64-256 columns, 4-6 stages, snake
+    bands of 1-16 N tiles (how long a row block's lhs tile stays hot in L2 for wide outputs like dx).
+
+    Kept only if the tiles divide N (and K for dW, see `heuristics`) and the pipeline plus the
+    output tile fit the H100/H200's 227 KiB of shared memory. One warpgroup holds the f32
+    accumulator, so block_m x block_n stays <= 128 x 192 (192 registers a thread).
+    """
+    _check_kind(kind)
+    found = [cls.heuristics(kind, m, k, n, g)]
+    if kind != "transposed":  # JAX's kernel as shipped, at the same tiles: the table's A/B anchor
+      found.append(dataclasses.replace(found[0], group_table=False))
+    for block_m, block_n, steps, grid_block_n in (
+        (128, 192, 4, 4), (64, 256, 4, 4), (128, 128, 6, 8), (128, 128, 4, 16), (64, 128, 6, 1), (128, 64, 6, 4)):
+      if n % block_n or (kind == "transposed" and k % block_m):
+        continue
+      config = cls(block_m=block_m, block_n=block_n, max_concurrent_steps=steps, grid_block_n=grid_block_n)
+      if config not in found and config.smem_bytes(itemsize) + block_m * block_n * itemsize <= 227 * 1024:
+        found.append(config)
+    return tuple(found[:6])
+
+
+def _check_kind(kind: str) -> None:
+  if kind not in KINDS:
+    raise ValueError(f"{kind=!r} must be one of {KINDS}.")
+
+
+def set_autotune(enabled: bool | None) -> None:
+  """Turns measuring of missing entries on or off; None goes back to the `HYSCALE_AUTOTUNE` env var."""
+  _STATE["enabled"] = enabled
+
+
+def autotune_enabled() -> bool:
+  if _STATE["enabled"] is not None:
+    return bool(_STATE["enabled"])
+  return os.environ.get("HYSCALE_AUTOTUNE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def cache_path(device_kind: str) -> pathlib.Path:
+  """`$HYSCALE_CACHE_DIR` (or ~/.cache/hyscale_jax/autotune) / <device kind, sanitised> / grouped_matmul.json."""
+  root = os.environ.get("HYSCALE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hyscale_jax",
+                                                             "autotune")
+  return pathlib.Path(root) / re.sub(r"[^A-Za-z0-9._-]+", "_", device_kind) / _FILE
+
+
+def cache_key(kind: str, m: int, k: int, n: int, g: int, dtype) -> str:
+  """The entry name: op kind, the problem's sizes and dtype (the GPU is the file's folder)."""
+  _check_kind(kind)
+  return f"{kind}:M={m}:K={k}:N={n}:G={g}:{np.dtype(dtype).name}"
+
+
+def _load(path: pathlib.Path) -> dict:
+  if str(path) not in _MEMORY:
+    try:
+      _MEMORY[str(path)] = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):  # a corrupt file is re-measured, not fatal
+      _MEMORY[str(path)] = {}
+  return _MEMORY[str(path)]
+
+
+def _store(path: pathlib.Path, key: str, entry: dict) -> None:
+  """Merges one entry into the file atomically (temp file + os.replace), keeping other processes' entries."""
+  with _LOCK:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _MEMORY.pop(str(path), None)
+    entries = dict(_load(path))
+    entries[key] = entry
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{_FILE}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+      json.dump(entries, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+    _MEMORY[str(path)] = entries
+
+
+def cached_config(device_kind: str, key: str) -> Config | None:
+  entry = _load(cache_path(device_kind)).get(key)
+  return None if entry is None else Config(**entry["config"])
+
+
+def choose(device_kind: str, kind: str, m: int, k: int, n: int, g: int, dtype,
+           measure: Callable[[Config], float]) -> Config:
+  """The cached config, else (tuning on) the fastest of `search_space` by `measure`, else the heuristic.
+
+  `measure(config)` returns seconds, or raises (a config that does not compile or fit is skipped).
+  """
+  key = cache_key(kind, m, k, n, g, dtype)
+  found = cached_config(device_kind, key)
+  if found is not None:
+    return found
+  if not autotune_enabled():
+    return Config.heuristics(kind, m, k, n, g)
+  try:
+    best, timings = tune(Config.search_space(kind, m, k, n, g, np.dtype(dtype).itemsize), measure)
+  except RuntimeError as e:  # nothing ran (e.g. no memory left to tune in): run on the default, uncached
+    warnings.warn(f"grouped_matmul autotune for {key} failed, using the heuristic config: {e}", stacklevel=2)
+    return Config.heuristics(kind, m, k, n, g)
+  _store(cache_path(device_kind), key, {"config": dataclasses.asdict(best), "seconds": timings,
+                                        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+  return best
+
+
+def tune(configs: Sequence[Config], measure: Callable[[Config], float]) -> tuple[Config, dict[str, float | str]]:
+  """(fastest config, {config: seconds or the error}); raises RuntimeError when none ran."""
+  timings: dict[str, float | str] = {}
+  best, best_s = None, float("inf")
+  for config in configs:
+    name = "{block_m}x{block_n}x{block_k}/s{max_concurrent_steps}/g{grid_block_n}".format(**dataclasses.asdict(config))
+    name += "" if config.group_table else "/jax"
+    try:
+      seconds = float(measure(config))
+    except Exception as e:  # noqa: BLE001 - a config that fails to compile or overflows smem is skipped
+      timings[name] = f"{type(e).__name__}: {str(e)[:120]}"
+      continue
+    timings[name] = seconds
+    if seconds < best_s:
+      best, best_s = config, seconds
+  if best is None:
+    raise RuntimeError(f"no grouped_matmul config ran: {timings}")
+  return best, timings

@@ -1,0 +1,167 @@
+"""The `"pallas"` backend of `grouped_matmul`: JAX's Hopper Mosaic GPU ragged-dot kernels, padded and tuned.
+
+- `grouped_matmul_pallas`: `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot`, a persistent
+  warpgroup-MMA kernel over (row block, N tile) pairs; `transpose_rhs` reads rhs as [G, N, K] (dx).
+  By default its variant in `ragged_dot_kernel.py`, which looks each tile's group up in a table
+  computed by XLA instead of a G-way unrolled loop, and skips tiles of no group (`Config.group_table`).
+- `transposed_grouped_matmul_pallas`: `transposed_ragged_dot_mgpu.transposed_ragged_dot`, per group
+  `a_g^T @ b_g` into [G, P, Q] (dW), walking only each group's own rows.
+
+What the wrappers add: K (and N, P, Q) zero-padded to the chosen tiles (exact: padded columns
+contribute 0 and are sliced off), the forward's rows past `sum(group_sizes)` set to 0 (the kernel
+never writes them; XLA fuses that select into an elementwise consumer), the dW inputs' rows just past
+the sum set to 0 (the kernel multiplies its partial last block by a 0/1 mask, which would keep a
+NaN), rows padded to TMA's 8-row tiling, and the block config from `autotune.choose`. Both kernels
+use wgmma (sm_90a) and bf16/f16 only: anything else raises NotImplementedError so `"auto"` falls back
+to the reference. JAX's kernels take no `interpret` flag, so there is no interpret mode; CPU tests
+export them for a CUDA target instead (tests/test_grouped_matmul.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.grouped_matmul import autotune
+
+_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def check_supported(lhs, rhs, group_sizes, *, transpose_rhs=False) -> None:
+  """Raises NotImplementedError unless this is a Hopper GPU (sm_90) and the inputs are bf16 or f16."""
+  del group_sizes, transpose_rhs
+  if jax.default_backend() != "gpu":
+    raise NotImplementedError(f"grouped_matmul pallas: needs a GPU, the default backend is {jax.default_backend()!r}.")
+  capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+  if not capability.startswith("9."):
+    raise NotImplementedError(f"grouped_matmul pallas: the Mosaic GPU kernels need Hopper (sm_90), got "
+                              f"compute capability {capability!r} ({jax.devices()[0].device_kind}).")
+  for name, x in (("lhs", lhs), ("rhs", rhs)):
+    if x.dtype not in _DTYPES:
+      raise NotImplementedError(f"grouped_matmul pallas: {name}.dtype={x.dtype} is not bf16/f16.")
+
+
+def _pad_axis(x, axis: int, multiple: int):
+  extra = -x.shape[axis] % multiple
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+def _rows_in_groups(x, group_sizes):
+  """x with the rows past sum(group_sizes) set to 0."""
+  rows = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
+  return jnp.where(rows < jnp.sum(group_sizes), x, jnp.zeros((), x.dtype))
+
+
+def _zero_rows_read_past_groups(x, group_sizes, block_k: int):
+  """x with rows [sum, sum + block_k) set to 0: the only rows past the groups the dW kernel reads.
+
+  Its last group's last K block ends at the next multiple of block_k, and it masks that block by
+  multiplying with 0/1, which would keep a NaN or inf. A dropped-out-of-range scatter of block_k
+  rows, not a pass over all of x.
+  """
+  rows = jnp.sum(group_sizes) + jnp.arange(block_k)
+  return x.at[rows].set(jnp.zeros((), x.dtype), mode="drop")
+
+
+def _uniform_sizes(m: int, g: int) -> np.ndarray:
+  """m rows split over g groups as evenly as possible (what the tuner measures on)."""
+  return np.full(g, m // g, np.int32) + (np.arange(g) < m % g).astype(np.int32)
+
+
+def _seconds(fn, *args, reps: int = 5) -> float:
+  """Median wall seconds of a compiled call, synchronised (the first call is the warm-up)."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def _config(kind, m, k, n, g, dtype, run, shapes):
+  """The block config for this problem; tuning (if on) measures `run(a, b, sizes, config)` on random inputs.
+
+  Called while tracing the caller's jit: the measurement runs eagerly on concrete device arrays
+  (`ensure_compile_time_eval`), made once per problem on the device (host RNG at 10^9 elements is slow).
+  """
+  inputs = []
+
+  def measure(config):
+    with jax.ensure_compile_time_eval():
+      if not inputs:
+        keys = jax.random.split(jax.random.key(0), 2)
+        inputs.extend(jax.random.normal(key, shape, dtype) for key, shape in zip(keys, shapes))
+        inputs.append(jnp.asarray(_uniform_sizes(shapes[0][0], g)))
+      compiled = jax.jit(lambda a, b, s: run(a, b, s, config)).lower(*inputs).compile()
+      return _seconds(compiled, *inputs)
+
+  return autotune.choose(jax.devices()[0].device_kind, kind, m, k, n, g, dtype, measure)
+
+
+def _forward(lhs, rhs, group_sizes, config, transpose_rhs):
+  """The kernel call on padded operands; out [M, N] with rows past the groups left unwritten."""
+  if config.group_table:
+    from pallas_kernels.grouped_matmul import ragged_dot_kernel as kernel  # noqa: PLC0415 - imports Mosaic GPU
+  else:
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as kernel  # noqa: PLC0415
+
+  m, k = lhs.shape
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  # TMA wants the row count a multiple of its 8-row tiling; the padded rows are past every group.
+  lhs = _pad_axis(_pad_axis(lhs, 1, config.block_k), 0, 8)
+  rhs = _pad_axis(_pad_axis(rhs, 2 if transpose_rhs else 1, config.block_k), 1 if transpose_rhs else 2,
+                  config.block_n)
+  out = kernel.ragged_dot(
+      lhs, rhs, group_sizes=group_sizes, block_m=config.block_m, block_n=config.block_n,
+      block_k=config.block_k, max_concurrent_steps=config.max_concurrent_steps,
+      grid_block_n=config.grid_block_n, transpose_rhs=transpose_rhs)
+  return out[:m, :n]
+
+
+def grouped_matmul_pallas(lhs, rhs, group_sizes, *, transpose_rhs=False, config=None):
+  """lhs bf16|f16[M, K] x rhs [G, K, N] ([G, N, K] with transpose_rhs) -> [M, N] in lhs.dtype.
+
+  f32 accumulation in the wgmma accumulator; rows past sum(group_sizes) are 0. `config` overrides
+  the cached/heuristic block config.
+  """
+  check_supported(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
+  (m, k), g = lhs.shape, rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  if config is None:
+    kind = "forward_transposed_rhs" if transpose_rhs else "forward"
+    config = _config(kind, m, k, n, g, lhs.dtype,
+                     lambda a, b, s, c: _forward(a, b, s, c, transpose_rhs), (lhs.shape, rhs.shape))
+  return _rows_in_groups(_forward(lhs, rhs, group_sizes, config, transpose_rhs), group_sizes)
+
+
+def _transposed(a, b, group_sizes, config):
+  from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu  # noqa: PLC0415
+
+  p, q = a.shape[1], b.shape[1]
+  a = _pad_axis(_pad_axis(_zero_rows_read_past_groups(a, group_sizes, config.block_k), 1, config.block_m), 0, 8)
+  b = _pad_axis(_pad_axis(_zero_rows_read_past_groups(b, group_sizes, config.block_k), 1, config.block_n), 0, 8)
+  out = transposed_ragged_dot_mgpu.transposed_ragged_dot(
+      a, b, group_sizes=group_sizes, block_m=config.block_m, block_n=config.block_n,
+      block_k=config.block_k, max_concurrent_steps=config.max_concurrent_steps,
+      grid_block_n=config.grid_block_n)
+  return out[:, :p, :q]
+
+
+def transposed_grouped_matmul_pallas(a, b, group_sizes, *, config=None):
+  """a bf16|f16[M, P], b [M, Q] -> [G, P, Q] in a.dtype: `a_g^T @ b_g` over each group's rows (dW).
+
+  f32 accumulation; rows past sum(group_sizes) are ignored; an empty group gives zeros.
+  """
+  check_supported(a, b, group_sizes)
+  (m, p), q, g = a.shape, b.shape[1], group_sizes.shape[0]
+  if config is None:
+    config = _config("transposed", m, p, q, g, a.dtype, _transposed, (a.shape, b.shape))
+  return _transposed(a, b, group_sizes, config)

@@ -1,0 +1,337 @@
+"""ops.grouped_matmul against a float64 loop over groups: values, both gradients, validation, structure.
+
+The Pallas backend (JAX's Hopper Mosaic GPU kernels) has no interpret mode; its tests are `gpu_only`
+(run them with `JAX_PLATFORMS=cuda pytest -m gpu_only tests/test_grouped_matmul.py`). The autotune
+cache and config logic is plain Python and is tested here on CPU.
+"""
+
+import json
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hyscale_jax import ops
+from hyscale_jax.ops.grouped_matmul import REGISTRY
+from pallas_kernels.grouped_matmul import autotune
+from tests import jaxpr_tools
+from tests.oracles import grouped_matmul_oracle
+
+# (M, group_sizes): empty groups first/middle/last, one group taking every row, a sum below M.
+_SIZES = {
+    "mixed": (12, [3, 0, 5, 4]),
+    "empty_ends": (12, [0, 7, 0, 5, 0]),
+    "one_group": (12, [0, 12, 0]),
+    "short_sum": (12, [2, 0, 3]),
+}
+_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}  # x sqrt(K) on unit-scale values
+_ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU")
+
+
+def _inputs(m, sizes, *, k=16, n=8, dtype=jnp.float32, transpose_rhs=False, seed=0):
+  """lhs [M, K], rhs [G, K, N] (or [G, N, K]), sizes int32[G], a random cotangent [M, N]; all in dtype."""
+  rng = np.random.default_rng(seed)
+  g = len(sizes)
+  lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  rhs = jnp.asarray(rng.standard_normal((g, n, k) if transpose_rhs else (g, k, n)), dtype)
+  dout = jnp.asarray(rng.standard_normal((m, n)), dtype)
+  return lhs, rhs, jnp.asarray(sizes, jnp.int32), dout
+
+
+def _check_against_oracle(backend, m, sizes, dtype, transpose_rhs, k=16, n=8):
+  lhs, rhs, gs, dout = _inputs(m, sizes, k=k, n=n, dtype=dtype, transpose_rhs=transpose_rhs)
+  f = jax.jit(lambda a, b, s: ops.grouped_matmul(a, b, s, transpose_rhs=transpose_rhs, backend=backend))
+  out, vjp = jax.vjp(lambda a, b: f(a, b, gs), lhs, rhs)
+  dlhs, drhs = vjp(dout)
+  want, want_dlhs, want_drhs = grouped_matmul_oracle(lhs, rhs, np.asarray(sizes), np.asarray(dout, np.float64),
+                                                     transpose_rhs=transpose_rhs)
+  assert out.dtype == dlhs.dtype == drhs.dtype == dtype and out.shape == (m, n)
+  atol = _TOL[dtype] * math.sqrt(max(k, m))
+  np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=atol, rtol=_TOL[dtype])
+  np.testing.assert_allclose(np.asarray(dlhs, np.float64), want_dlhs, atol=atol, rtol=_TOL[dtype])
+  np.testing.assert_allclose(np.asarray(drhs, np.float64), want_drhs, atol=atol, rtol=_TOL[dtype])
+  past = sum(sizes)
+  assert not np.asarray(out[past:]).any() and not np.asarray(dlhs[past:]).any()  # exactly zero past the sum
+
+
+@pytest.mark.parametrize("case", list(_SIZES))
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_reference_values_and_grads_f32(case, transpose_rhs):
+  m, sizes = _SIZES[case]
+  _check_against_oracle("reference", m, sizes, jnp.float32, transpose_rhs)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_reference_values_and_grads_bf16(transpose_rhs):
+  m, sizes = _SIZES["short_sum"]
+  _check_against_oracle("auto", m, sizes, jnp.bfloat16, transpose_rhs)
+
+
+def test_rows_past_the_sum_are_ignored_even_when_not_finite():
+  lhs, rhs, gs, dout = _inputs(12, [2, 0, 3])
+  lhs, dout = lhs.at[5:].set(jnp.nan), dout.at[5:].set(jnp.inf)
+  out, vjp = jax.vjp(lambda a, b: ops.grouped_matmul(a, b, gs), lhs, rhs)
+  dlhs, drhs = vjp(dout)
+  assert not np.asarray(out[5:]).any() and not np.asarray(dlhs[5:]).any()
+  _, _, want_drhs = grouped_matmul_oracle(lhs[:5], rhs, [2, 0, 3], np.asarray(dout[:5], np.float64))
+  np.testing.assert_allclose(drhs, want_drhs, atol=1e-4)
+
+
+def test_traced_group_sizes_under_jit_and_auto_is_reference_on_cpu():
+  lhs, rhs, gs, _ = _inputs(12, [3, 0, 5, 4])
+  out = jax.jit(ops.grouped_matmul)(lhs, rhs, gs)
+  np.testing.assert_allclose(out, grouped_matmul_oracle(lhs, rhs, [3, 0, 5, 4]), atol=1e-4)
+  if jax.default_backend() == "cpu":
+    assert REGISTRY.candidates("auto") == ("reference",)
+    with pytest.raises(NotImplementedError, match="GPU"):
+      ops.grouped_matmul(lhs, rhs, gs, backend="pallas")
+
+
+def test_backward_builds_nothing_group_by_rows():
+  """No value in the forward+backward jaxpr has shape [G, M, ...] (the dense ragged_dot rewrite)."""
+  m, g = 24, 5
+  lhs, rhs, gs, dout = _inputs(m, [6, 0, 7, 4, 7], k=16, n=8)
+
+  def loss(a, b, w2):
+    h = ops.grouped_matmul(a, b, gs)  # [M, N]
+    return (ops.grouped_matmul(h, w2, gs, transpose_rhs=True) * a).sum()  # w2 [G, K, N] read as [G, N->K]
+
+  w2 = jnp.ones((g, 16, 8))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(lhs, rhs, w2)
+  shapes = {tuple(v.aval.shape) for e in jaxpr_tools.equations(jaxpr) for v in e.outvars if hasattr(v.aval, "shape")}
+  assert not [s for s in shapes if len(s) >= 2 and s[:2] == (g, m)], shapes
+  assert (g, 16, 8) in shapes  # the dW output is there, so the walk saw the backward
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda l, r, s: (l[0], r, s), "lhs must have rank 2"),
+    (lambda l, r, s: (l, r[0], s), "rhs must have rank 3"),
+    (lambda l, r, s: (l[:, :5], r, s), r"rhs.shape=.*dimension 1 \(K"),
+    (lambda l, r, s: (l, r.astype(jnp.bfloat16), s), "rhs.dtype"),
+    (lambda l, r, s: (l.astype(jnp.int32), r.astype(jnp.int32), s), "lhs must be a floating"),
+    (lambda l, r, s: (l, r, s.astype(jnp.float32)), "group_sizes must be an integer"),
+    (lambda l, r, s: (l, r, s[:2]), r"group_sizes.shape=\(2,\) must be \[G\]"),
+    (lambda l, r, s: (l, r, s.at[1].set(-1)), "group_sizes has a negative size"),
+    (lambda l, r, s: (l, r, s.at[1].set(9)), "group_sizes sum to 21 > M=12"),
+])
+def test_bad_inputs_name_the_argument(bad, match):
+  lhs, rhs, gs, _ = _inputs(12, [3, 0, 5, 4])
+  with pytest.raises(ValueError, match=match):
+    ops.grouped_matmul(*bad(lhs, rhs, gs))
+
+
+def test_unknown_backend_is_a_value_error():
+  lhs, rhs, gs, _ = _inputs(12, [3, 0, 5, 4])
+  with pytest.raises(ValueError, match="unknown backend"):
+    ops.grouped_matmul(lhs, rhs, gs, backend="cuda")
+
+
+# ---- the Pallas backend's tuning config and cache (plain Python) ----
+
+def test_config_validation_heuristics_and_search_space():
+  with pytest.raises(ValueError, match="block_m"):
+    autotune.Config(block_m=96)
+  with pytest.raises(ValueError, match="grid_block_n"):
+    autotune.Config(grid_block_n=3)
+  with pytest.raises(ValueError, match="kind"):
+    autotune.Config.heuristics("backward", 1, 1, 1, 1)
+  for kind in autotune.KINDS:
+    space = autotune.Config.search_space(kind, 131072, 6144, 2048, 256)
+    assert 4 <= len(space) <= 6 and len(set(space)) == len(space)
+    assert all(2048 % c.block_n == 0 for c in space)  # no padded (copied) weights
+    assert space[0] == autotune.Config.heuristics(kind, 131072, 6144, 2048, 256)
+    assert all(c.smem_bytes(2) + c.block_m * c.block_n * 2 <= 227 * 1024 for c in space)
+  # dW tiles must divide its [K, N] output: K = 192 allows only 64-row tiles.
+  assert all(192 % c.block_m == 0 for c in autotune.Config.search_space("transposed", 4096, 192, 2048, 8))
+
+
+def test_autotune_cache_measures_once_and_persists(tmp_path, monkeypatch):
+  monkeypatch.setenv("HYSCALE_CACHE_DIR", str(tmp_path))
+  monkeypatch.setattr(autotune, "_MEMORY", {})
+  calls = []
+
+  def measure(config):
+    calls.append(config)
+    if config.block_n == 256:
+      raise ValueError("Mosaic GPU kernel exceeds available shared memory")  # skipped, recorded
+    return 1.0 / (config.block_m * config.block_n * config.max_concurrent_steps)  # fastest: 128 x 128 x 6
+
+  args = ("NVIDIA H200", "forward", 4096, 512, 256, 8, jnp.bfloat16)
+  autotune.set_autotune(False)
+  try:
+    assert autotune.choose(*args, measure) == autotune.Config.heuristics("forward", 4096, 512, 256, 8)
+    assert not calls and not autotune.cache_path("NVIDIA H200").exists()  # tuning off: heuristics, no file
+    autotune.set_autotune(True)
+    best = autotune.choose(*args, measure)
+    ran = [c for c in autotune.Config.search_space("forward", 4096, 512, 256, 8) if c.block_n != 256]
+    assert best == min(ran, key=measure) and best.max_concurrent_steps == 6 and best.block_m == 128
+    n_calls = len(calls)
+    assert autotune.choose(*args, measure) == best and len(calls) == n_calls  # cached in memory
+  finally:
+    autotune.set_autotune(None)
+  path = autotune.cache_path("NVIDIA H200")
+  assert path == tmp_path / "NVIDIA_H200" / "grouped_matmul.json"
+  entry = json.loads(path.read_text())[autotune.cache_key("forward", 4096, 512, 256, 8, jnp.bfloat16)]
+  assert autotune.Config(**entry["config"]) == best
+  assert any("shared memory" in str(v) for v in entry["seconds"].values())
+  assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]  # the atomic write left nothing
+  monkeypatch.setattr(autotune, "_MEMORY", {})  # a new process: read from disk, tuning off
+  assert autotune.choose(*args, lambda c: pytest.fail("measured again")) == best
+
+
+def test_tuning_runs_eagerly_inside_a_trace_and_falls_back_when_nothing_runs(monkeypatch, tmp_path):
+  """The Pallas wrapper tunes while the caller's jit traces: measured on concrete arrays, cached."""
+  from pallas_kernels.grouped_matmul import grouped_matmul as kernels  # noqa: PLC0415
+
+  monkeypatch.setenv("HYSCALE_CACHE_DIR", str(tmp_path))
+  monkeypatch.setattr(autotune, "_MEMORY", {})
+  run = lambda a, b, s, config: ops.grouped_matmul(a, b, s, backend="reference")
+  pick = lambda: kernels._config("forward", 64, 32, 16, 4, jnp.float32, run, ((64, 32), (4, 32, 16)))
+  autotune.set_autotune(True)
+  try:
+    chosen = []
+    jax.jit(lambda x: chosen.append(pick()) or x)(jnp.ones(3))
+    entry = json.loads(autotune.cache_path("cpu").read_text())["forward:M=64:K=32:N=16:G=4:float32"]
+    assert all(isinstance(v, float) and v > 0 for v in entry["seconds"].values())
+    assert chosen[0] == autotune.Config(**entry["config"])
+    with pytest.warns(UserWarning, match="autotune .* failed"):
+      failing = lambda c: (_ for _ in ()).throw(ValueError("exceeds available shared memory"))
+      got = autotune.choose("cpu", "transposed", 64, 32, 16, 4, jnp.float32, failing)
+    assert got == autotune.Config.heuristics("transposed", 64, 32, 16, 4)
+  finally:
+    autotune.set_autotune(None)
+
+
+def test_autotune_env_var_and_keys(monkeypatch):
+  monkeypatch.setenv("HYSCALE_AUTOTUNE", "1")
+  assert autotune.autotune_enabled()
+  monkeypatch.setenv("HYSCALE_AUTOTUNE", "0")
+  assert not autotune.autotune_enabled()
+  keys = {autotune.cache_key(k, 64, 32, 16, 4, d) for k in autotune.KINDS for d in (jnp.bfloat16, jnp.float16)}
+  assert len(keys) == 6 and "forward:M=64:K=32:N=16:G=4:bfloat16" in keys
+
+
+# ---- the Pallas backend lowered for CUDA on CPU (shapes, padding, the custom_vjp wiring) ----
+
+class _FakeHopper:
+  """What the Pallas path reads from `jax.devices()[0]` on an H200."""
+  platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H200", "9.0", 132
+
+
+@pytest.mark.parametrize("m, k, n, transpose_rhs", [(300, 96, 200, False), (1024, 256, 384, True), (7, 64, 128, False)])
+def test_pallas_backend_lowers_for_cuda(m, k, n, transpose_rhs, monkeypatch, tmp_path):
+  """Forward and both gradients through `backend="pallas"` export for a CUDA target: three Mosaic GPU
+  kernels (forward, dx, dW), odd widths padded. Catches tiling/TMA errors without a GPU."""
+  monkeypatch.setenv("HYSCALE_CACHE_DIR", str(tmp_path))  # heuristics, not a cached config
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
+  g = 3
+  lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  rhs = jax.ShapeDtypeStruct((g, n, k) if transpose_rhs else (g, k, n), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+
+  def loss(a, b, s):
+    return jnp.square(ops.grouped_matmul(a, b, s, transpose_rhs=transpose_rhs, backend="pallas")).sum()
+
+  mosaic = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("mosaic_gpu", "mosaic_gpu_v2")]
+  exported = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), platforms=["cuda"],
+                               disabled_checks=mosaic)(lhs, rhs, sizes)
+  text = exported.mlir_module()
+  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3 and "stablehlo.dot_general" not in text
+  assert [tuple(a.shape) for a in exported.out_avals] == [(), (m, k), rhs.shape]
+  rows = {m, -(-m // 8) * 8}  # as given, and padded to the 8-row tiling
+  assert not [r for r in rows if f"tensor<{g}x{r}x" in text]  # nothing [G, M, ...] in the HLO either
+
+
+@pytest.mark.parametrize("group_table", [True, False])
+def test_both_forward_kernels_lower_for_cuda(group_table, monkeypatch):
+  from pallas_kernels.grouped_matmul import grouped_matmul as kernels  # noqa: PLC0415
+
+  monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
+  config = autotune.Config(block_n=64, grid_block_n=2, group_table=group_table)
+  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 128), (5, 128, 192))]
+  args.append(jax.ShapeDtypeStruct((5,), jnp.int32))
+  mosaic = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("mosaic_gpu", "mosaic_gpu_v2")]
+  exported = jax.export.export(jax.jit(lambda a, b, s: kernels._forward(a, b, s, config, False)),
+                               platforms=["cuda"], disabled_checks=mosaic)(*args)
+  assert "custom_call @mosaic_gpu" in exported.mlir_module()
+  assert exported.out_avals[0].shape == (256, 192)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tile_table_covers_each_groups_rows_once(seed):
+  """The table kernel's tile -> (group, block, first row, rows) map: every row of group g is stored
+  by exactly one tile of group g, rows past the groups by none, and no tile is spent on nothing."""
+  from pallas_kernels.grouped_matmul.ragged_dot_kernel import tile_table  # noqa: PLC0415
+
+  rng = np.random.default_rng(seed)
+  g, m, block_m = int(rng.integers(1, 24)), int(rng.integers(1, 900)), int(rng.choice([64, 128]))
+  sizes = rng.multinomial(int(rng.integers(0, m + 1)), rng.dirichlet(np.ones(g) * 0.3))
+  sizes[rng.integers(g)] = 0  # at least one empty group
+  sizes[0] += min(m - sizes.sum(), block_m)  # often a boundary on a tile edge
+  table = np.asarray(tile_table(jnp.asarray(sizes, jnp.int32), m, block_m))
+  assert table.shape == (4, -(-m // block_m) + g - 1)
+  owner = np.full(m, -1)
+  for group, block, first, rows in table.T:
+    assert 0 <= first and first + rows <= block_m
+    span = slice(block * block_m + first, block * block_m + first + rows)
+    assert (owner[span] == -1).all()
+    owner[span] = group
+  want = np.repeat(np.arange(g), sizes)
+  np.testing.assert_array_equal(owner[:len(want)], want)
+  assert (owner[len(want):] == -1).all()
+  # Tiles with rows: one per (group, row block it touches); JAX's kernel runs all of table.shape[1].
+  touched = sum(len({r // block_m for r in range(s0, s0 + n)}) for s0, n in zip(np.cumsum(sizes) - sizes, sizes))
+  assert (table[3] > 0).sum() == touched
+
+
+# ---- GPU only: the Pallas backend against the oracle ----
+
+@pytest.mark.gpu_only
+@_ON_GPU
+@pytest.mark.parametrize("case", list(_SIZES))
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_pallas_values_and_grads(case, transpose_rhs):
+  m, sizes = _SIZES[case]
+  scale = 40  # rows spanning several 128-row blocks, groups straddling block edges
+  _check_against_oracle("pallas", m * scale, [s * scale for s in sizes], jnp.bfloat16, transpose_rhs,
+                        k=256, n=384)
+
+
+@pytest.mark.gpu_only
+@_ON_GPU
+def test_pallas_pads_odd_widths_and_ignores_poisoned_rows():
+  lhs, rhs, gs, dout = _inputs(300, [100, 0, 37, 90], k=96, n=200, dtype=jnp.bfloat16)
+  lhs, dout = lhs.at[227:].set(jnp.nan), dout.at[227:].set(jnp.nan)
+  out, vjp = jax.vjp(lambda a, b: ops.grouped_matmul(a, b, gs, backend="pallas"), lhs, rhs)
+  dlhs, drhs = vjp(dout)
+  want, want_dlhs, want_drhs = grouped_matmul_oracle(lhs[:227], rhs, [100, 0, 37, 90],
+                                                     np.asarray(dout[:227], np.float64))
+  np.testing.assert_allclose(np.asarray(out[:227], np.float64), want, atol=0.3, rtol=2e-2)
+  np.testing.assert_allclose(np.asarray(dlhs[:227], np.float64), want_dlhs, atol=0.3, rtol=2e-2)
+  np.testing.assert_allclose(np.asarray(drhs, np.float64), want_drhs, atol=0.5, rtol=2e-2)
+  assert not np.asarray(out[227:]).any() and not np.asarray(dlhs[227:]).any()
+
+
+@pytest.mark.gpu_only
+@_ON_GPU
+@pytest.mark.parametrize("group_table", [True, False])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_pallas_forward_kernels_with_many_groups(group_table, aligned):
+  """64 groups (boundaries on tile edges, or not, and empty ones): the table kernel and JAX's agree
+  with the oracle, both rhs layouts."""
+  from pallas_kernels.grouped_matmul import grouped_matmul_pallas  # noqa: PLC0415
+
+  rng = np.random.default_rng(3)
+  sizes = [128] * 64 if aligned else list(rng.multinomial(64 * 128 - 50, np.ones(64) / 64))
+  sizes[5] = 0
+  config = autotune.Config(group_table=group_table, grid_block_n=2)
+  for transpose_rhs in (False, True):
+    lhs, rhs, gs, _ = _inputs(64 * 128, sizes, k=256, n=256, dtype=jnp.bfloat16, transpose_rhs=transpose_rhs)
+    out = jax.jit(lambda a, b, s: grouped_matmul_pallas(a, b, s, transpose_rhs=transpose_rhs, config=config))(
+        lhs, rhs, gs)
+    want = grouped_matmul_oracle(lhs, rhs, sizes, transpose_rhs=transpose_rhs)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=0.35, rtol=2e-2)
