@@ -36,6 +36,7 @@ Tuned configs are cached under `$HYSCALE_CACHE_DIR` (see pallas_kernels/grouped_
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -211,21 +212,59 @@ print("ROWS" + json.dumps(rows))
 
 
 def torch_rows(cases, reps):
-  """torch._grouped_mm on the same shapes and group sizes, in a subprocess; [] when torch is missing."""
+  """torch._grouped_mm on the same shapes, one subprocess per shape; [] when torch is missing.
+
+  torch's Hopper grouped GEMM asserts (on the device, killing the process) unless every group offset
+  is a multiple of 16 bytes (8 bf16 rows), so each group is rounded up to a multiple of 8 rows for
+  torch; rows say so (`torch_rows_rounded_up`).
+  """
+  import importlib.util  # noqa: PLC0415
+  if importlib.util.find_spec("torch") is None:
+    return []
+  rows = []
+  for name, (_, d, f, e, _, _), sizes in cases:
+    aligned = -(-sizes.astype(np.int64) // 8) * 8
+    spec = [dict(shape=name, M=int(aligned.sum()), D=d, F=f, E=e, reps=reps, offsets=np.cumsum(aligned).tolist())]
+    try:
+      proc = subprocess.run([sys.executable, "-c", _TORCH, json.dumps(spec)], capture_output=True, text=True,
+                            timeout=120)
+    except subprocess.TimeoutExpired:
+      rows += [dict(shape=name, **{"pass": p}, ms="error: torch timed out", tflops=None) for p in PASSES]
+      continue
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("ROWS")]
+    if not lines:
+      print(f"torch run failed on {name}: {proc.stderr[-600:]}", file=sys.stderr)
+      rows += [dict(shape=name, **{"pass": p}, ms="error: torch failed", tflops=None) for p in PASSES]
+      continue
+    for row in json.loads(lines[-1][4:]):
+      row["torch_rows_rounded_up"] = int(aligned.sum() - sizes.sum())
+      rows.append(row)
+  return rows
+
+
+_BASELINE = r"""
+import json, sys
+sys.path.insert(0, "."); sys.path.insert(0, "bench")
+import grouped_matmul as bench
+name, pass_name, reps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+shape = bench.SHAPES[name]
+row = bench.run_one(name, shape, pass_name, "ragged_dot", bench.make_inputs(*shape, bench.jnp.bfloat16), reps, 2e-2)
+print("ROW" + json.dumps(row))
+"""
+
+
+def ragged_dot_row(name, pass_name, reps, timeout_s):
+  """`lax.ragged_dot`'s row in a subprocess: XLA may spend minutes failing to compile it at scale."""
+  base = dict(shape=name, **{"pass": pass_name}, backend="ragged_dot", tflops=None, check_ok=False)
   try:
-    import importlib.util  # noqa: PLC0415
-    if importlib.util.find_spec("torch") is None:
-      return []
-  except (ImportError, ValueError):
-    return []
-  spec = [dict(shape=name, M=int(sizes.sum()), D=d, F=f, E=e, reps=reps,
-               offsets=np.cumsum(sizes).astype(int).tolist()) for name, (_, d, f, e, _, _), sizes in cases]
-  proc = subprocess.run([sys.executable, "-c", _TORCH, json.dumps(spec)], capture_output=True, text=True, timeout=300)
-  lines = [line for line in proc.stdout.splitlines() if line.startswith("ROWS")]
+    proc = subprocess.run([sys.executable, "-c", _BASELINE, name, pass_name, str(reps)], capture_output=True,
+                          text=True, timeout=timeout_s, env=dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.9"))
+  except subprocess.TimeoutExpired:
+    return dict(base, ms=f"no result in {timeout_s} s (compile)")
+  lines = [line for line in proc.stdout.splitlines() if line.startswith("ROW")]
   if not lines:
-    print(f"torch run failed: {proc.stderr[-1000:]}", file=sys.stderr)
-    return []
-  return json.loads(lines[-1][4:])
+    return dict(base, ms=f"error: {failure(RuntimeError(proc.stderr[-2000:]))}")
+  return json.loads(lines[-1][3:])
 
 
 def main():
@@ -237,8 +276,11 @@ def main():
   parser.add_argument("--no-tune", action="store_true", help="use the heuristic/cached configs only")
   parser.add_argument("--baseline-max-rows", type=int, default=0,
                       help="skip ragged_dot above this many routed rows (0: always try; it fails slowly at scale)")
+  parser.add_argument("--baseline-timeout", type=int, default=90, help="seconds for each ragged_dot row's process")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, reference backend only")
   args = parser.parse_args()
+  logging.basicConfig(format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+  logging.getLogger("pallas_kernels").setLevel(logging.INFO)  # each autotuned config as it is measured
   if args.smoke:
     shapes, backends, dtype, tolerance = SMOKE_SHAPES, ("reference", "ragged_dot"), jnp.float32, 1e-4
   else:
@@ -251,28 +293,38 @@ def main():
   anchors = [] if args.smoke else torch_rows([(n, shapes[n], loads[n]) for n in shapes], args.reps)
   results = Results(args.out, args.append)
   print(f"device {jax.devices()[0].device_kind}; shapes {list(shapes)}; backends {backends}", flush=True)
-  for name, shape in shapes.items():
+  ours = [b for b in backends if b != "ragged_dot"]
+  for name, shape in shapes.items():  # our kernels first, printed as they finish
     inputs = make_inputs(*shape, dtype)
     for pass_name in PASSES:
-      skip = args.baseline_max_rows and inputs[0].shape[0] > args.baseline_max_rows
-      rows = [dict(shape=name, M=inputs[0].shape[0], **{"pass": pass_name}, backend=b, ms="skipped", tflops=None)
-              if b == "ragged_dot" and skip else run_one(name, shape, pass_name, b, inputs, args.reps, tolerance)
-              for b in backends]
-      base = rows[-1]["ms"]
-      for row in rows:
-        ms = row["ms"]
-        row["vs_ragged_dot"] = (base / ms) if isinstance(ms, float) and isinstance(base, float) else base
+      for backend in ours:
+        row = run_one(name, shape, pass_name, backend, inputs, args.reps, tolerance)
         print(json.dumps(row), flush=True)
         results.add(row)
     del inputs
+  # The baseline last, each (shape, pass) in its own process under a time limit.
+  for name, shape in shapes.items():
+    for pass_name in PASSES:
+      if args.baseline_max_rows and shape[0] * shape[4] > args.baseline_max_rows:
+        row = dict(shape=name, **{"pass": pass_name}, backend="ragged_dot", ms="skipped", tflops=None)
+      elif args.smoke:
+        row = run_one(name, shape, pass_name, "ragged_dot", make_inputs(*shape, dtype), args.reps, tolerance)
+      else:
+        row = ragged_dot_row(name, pass_name, args.reps, args.baseline_timeout)
+      print(json.dumps(row), flush=True)
+      results.add(row)
   by_key = {(r["shape"], r["pass"]): r for r in results.data["rows"] if r["backend"] == "ragged_dot"}
-  for row in anchors:
+  for row in results.data["rows"] + [dict(r, backend="torch_grouped_mm") for r in anchors]:
+    if row["backend"] == "ragged_dot":
+      continue
     base = by_key.get((row["shape"], row["pass"]), {}).get("ms")
-    row.update(backend="torch_grouped_mm",
-               vs_ragged_dot=base / row["ms"] if isinstance(base, float) and isinstance(row["ms"], float) else base)
-    print(json.dumps(row), flush=True)
-    results.add(row)
-
+    row["vs_ragged_dot"] = base / row["ms"] if isinstance(base, float) and isinstance(row["ms"], float) else base
+    if row["backend"] == "torch_grouped_mm":
+      print(json.dumps(row), flush=True)
+      results.add(row)
+  if results.path:  # the ratios filled in above, on rows already written
+    with open(results.path, "w") as f:
+      json.dump(results.data, f, indent=1)
 
 if __name__ == "__main__":
   main()

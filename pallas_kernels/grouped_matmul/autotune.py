@@ -10,6 +10,7 @@ does). Cached entries are used whether tuning is on or not.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import json
 import os
 import pathlib
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+_LOG = logging.getLogger(__name__)
 KINDS = ("forward", "forward_transposed_rhs", "transposed")
 _FILE = "grouped_matmul.json"
 _LOCK = threading.Lock()
@@ -193,6 +195,7 @@ def tune(configs: Sequence[Config], measure: Callable[[Config], float]) -> tuple
       timings[name] = f"{type(e).__name__}: {str(e)[:120]}"
       continue
     timings[name] = seconds
+    _LOG.info("grouped_matmul autotune: %s %.3f ms", name, seconds * 1e3)
     if seconds < best_s:
       best, best_s = config, seconds
   if best is None:
