@@ -276,6 +276,8 @@ def main():
   parser.add_argument("--no-tune", action="store_true", help="use the heuristic/cached configs only")
   parser.add_argument("--baseline-max-rows", type=int, default=0,
                       help="skip ragged_dot above this many routed rows (0: always try; it fails slowly at scale)")
+  parser.add_argument("--backends", nargs="+", default=["pallas", "ragged_dot", "torch"],
+                      choices=["pallas", "ragged_dot", "torch"], help="which rows to run (with --append, in parts)")
   parser.add_argument("--baseline-timeout", type=int, default=90, help="seconds for each ragged_dot row's process")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, reference backend only")
   args = parser.parse_args()
@@ -287,10 +289,10 @@ def main():
     from pallas_kernels.grouped_matmul import set_autotune  # noqa: PLC0415
     set_autotune(not args.no_tune)
     shapes = {name: SHAPES[name] for name in args.shapes}
-    backends, dtype, tolerance = ("pallas", "ragged_dot"), jnp.bfloat16, 2e-2
+    backends, dtype, tolerance = tuple(b for b in ("pallas", "ragged_dot") if b in args.backends), jnp.bfloat16, 2e-2
   # torch first, before JAX claims 95% of the GPU (its pool is only freed at exit).
   loads = {name: group_sizes(shape[0] * shape[4], shape[3], shape[5]) for name, shape in shapes.items()}
-  anchors = [] if args.smoke else torch_rows([(n, shapes[n], loads[n]) for n in shapes], args.reps)
+  anchors = [] if args.smoke or "torch" not in args.backends else torch_rows([(n, shapes[n], loads[n]) for n in shapes], args.reps)
   results = Results(args.out, args.append)
   print(f"device {jax.devices()[0].device_kind}; shapes {list(shapes)}; backends {backends}", flush=True)
   ours = [b for b in backends if b != "ragged_dot"]
@@ -303,7 +305,7 @@ def main():
         results.add(row)
     del inputs
   # The baseline last, each (shape, pass) in its own process under a time limit.
-  for name, shape in shapes.items():
+  for name, shape in shapes.items() if "ragged_dot" in backends else ():
     for pass_name in PASSES:
       if args.baseline_max_rows and shape[0] * shape[4] > args.baseline_max_rows:
         row = dict(shape=name, **{"pass": pass_name}, backend="ragged_dot", ms="skipped", tflops=None)
