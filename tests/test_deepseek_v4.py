@@ -231,6 +231,28 @@ def test_streamed_entries_build_nothing_tokens_by_entries(kind, ratio, dense):
   assert t_by_s(shapes(lambda m, x: _listed_entries_layer(m, x, positions, seg)))  # the check sees the old path
 
 
+@pytest.mark.parametrize("kind, ratio", [("hca", 8), ("csa", 4)])
+def test_streamed_entries_under_a_context_mesh_equal_one_device(kind, ratio):
+  """Under a data x context mesh every op splits the queries and all-gathers the keys (entries too):
+  same output, indexer loss and gradients as one device."""
+  layer = _layer(kind, ratio, seed=4)
+  seg = jnp.broadcast_to((jnp.arange(T) >= 18).astype(jnp.int32), (B, T))
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+  def loss(params, x):
+    out, index_loss = nnx.merge(graphdef, params, rest)(x, _positions(), seg, dense=True)[::2]
+    return jnp.sum(out**2) + (0.0 if index_loss is None else index_loss)
+
+  step = jax.jit(jax.value_and_grad(loss, (0, 1)))
+  want = step(params, _x(8))
+  mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    assert "shard_map" in str(jax.make_jaxpr(step)(params, _x(8)))
+    got = step(params, _x(8))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(np.asarray(b)).max()))
+
+
 def _losses(model, tokens, dense=False):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
