@@ -2,6 +2,7 @@
 architectures.md §3.6, selection replay, parameter counts, and two-stage training with resume."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -163,7 +164,8 @@ def _listed_entries_layer(layer, x, positions, seg):
   c_q, q, kv = layer.queries_and_kv(x, positions)
   entries, entry_seg = layer.compressor(x, positions, seg)
   chosen = _visible_entry_indices(seg, entry_seg, layer.ratio)
-  indices = jnp.concatenate([window_indices(seg, _SMALL.sliding_window), jnp.where(chosen >= 0, chosen + T, -1)], -1)
+  window = window_indices(seg, layer.cfg.sliding_window)
+  indices = jnp.concatenate([window, jnp.where(chosen >= 0, chosen + x.shape[1], -1)], -1)
   keys = jnp.concatenate([kv, entries], axis=1)[:, :, None]
   out, lse = ops.sparse_attention(q, keys, None, indices, scale=layer.scale, sinks=layer.attn_sink[...])
   loss = None
@@ -229,6 +231,40 @@ def test_streamed_entries_build_nothing_tokens_by_entries(kind, ratio, dense):
   t_by_s = lambda shapes: [s for s in shapes if T_long in s and (S in s or S + _SMALL.sliding_window in s)]
   assert not t_by_s(shapes(lambda m, x: m(x, positions, seg, dense=dense)[::2]))
   assert t_by_s(shapes(lambda m, x: _listed_entries_layer(m, x, positions, seg)))  # the check sees the old path
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("kind, ratio", [("hca", 128), ("csa", 4)])
+def test_streamed_entries_on_gpu_match_listed_entries_in_bf16(kind, ratio):
+  """On the GPU with the auto backends (Pallas sparse_attention for the window and for the listed
+  entries; causal_attention's reference, since its Pallas kernel declines compressed keys) at
+  T = 4096, bf16, 512-dim heads: the streamed path equals the listed one in output and gradients."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a CUDA device")
+  T_long = 4096
+  cfg = dataclasses.replace(_SMALL, d_model=256, n_heads=16, head_dim=512, qk_rope_dim=64, q_lora_rank=128,
+                            o_lora_rank=64, sliding_window=128, index_n_heads=8, index_head_dim=64,
+                            index_rope_dim=16, dtype="bfloat16")
+  layer = CompressedSparseAttention(cfg, kind, ratio, rngs=nnx.Rngs(0))
+  layer.attn_sink[...] = jax.random.normal(jax.random.key(1), (cfg.n_heads,))
+  x = jax.random.normal(jax.random.key(2), (1, T_long, cfg.d_model), jnp.bfloat16)
+  seg = (jnp.arange(T_long) >= 1500).astype(jnp.int32)[None]
+  positions = jnp.where(seg == 0, jnp.arange(T_long), jnp.arange(T_long) - 1500).astype(jnp.int32)
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+  @functools.partial(jax.jit, static_argnums=2)
+  def step(params, x, listed):
+    def loss(params, x):
+      module = nnx.merge(graphdef, params, rest)
+      out = _listed_entries_layer(module, x, positions, seg)[0] if listed else module(x, positions, seg, dense=True).out
+      return jnp.sum(out.astype(jnp.float32) ** 2), out
+    return jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
+
+  ((_, got_out), got), ((_, want_out), want) = step(params, x, False), step(params, x, True)
+  np.testing.assert_allclose(np.float32(got_out), np.float32(want_out), atol=3e-2, rtol=3e-2)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want), strict=True):
+    g, w = np.float32(g), np.float32(w)
+    assert np.abs(g - w).max() <= 3e-2 * np.abs(w).max(), jax.tree_util.keystr(path)
 
 
 @pytest.mark.parametrize("kind, ratio", [("hca", 8), ("csa", 4)])
