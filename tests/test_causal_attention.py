@@ -85,6 +85,61 @@ def test_a_query_that_sees_nothing_gets_zero_and_no_nan(name):
   assert (np.asarray(grads[0])[:, 0] == 0).all()
 
 
+# name -> (B, T, N, K, H, Hv, compress_ratio, K = V (v is k itself))
+_COMPRESSED_CASES = {
+    "hca_like_mqa_k_is_v": (2, 37, 4, 1, 8, 8, 4, True),  # DeepSeek-V4: MQA over entries, values = keys
+    "gqa_ratio_3": (1, 29, 4, 2, 6, 5, 3, False),
+    "ratio_1_with_lse": (1, 21, 2, 1, 4, 4, 1, False),
+}
+
+
+def _compressed_inputs(rng, B, T, N, K, H, Hv, ratio, k_is_v):
+  """q, k, v (v = k when k_is_v) and the (q_seg, kv_seg) of packed documents: an entry carries its
+  last token's document, as the DeepSeek-V4 compressor gives it."""
+  S = T // ratio
+  q = rng.standard_normal((B, T, N, H)).astype(np.float32)
+  k = rng.standard_normal((B, S, K, H)).astype(np.float32)
+  v = k if k_is_v else rng.standard_normal((B, S, K, Hv)).astype(np.float32)
+  q_seg = np.sort(rng.integers(0, 3, (B, T)), axis=1).astype(np.int32)
+  return q, k, v, (q_seg, q_seg[:, ratio - 1 :: ratio][:, :S])
+
+
+@pytest.mark.parametrize("name", ["reference", "reference_small_blocks", "xla_baseline"])
+@pytest.mark.parametrize("case", list(_COMPRESSED_CASES))
+def test_compressed_keys_and_lse_match_oracle_in_values_and_gradients(name, case):
+  """compress_ratio > 1 (key s seen from token t iff (s + 1) * m <= t + 1) and return_lse, with
+  cotangents on both out and lse, against the float64 oracle over every visible key's index list."""
+  B, T, N, K, H, Hv, ratio, k_is_v = _COMPRESSED_CASES[case]
+  rng = np.random.default_rng(7)
+  q, k, v, segs = _compressed_inputs(rng, B, T, N, K, H, Hv, ratio, k_is_v)
+  S = k.shape[1]
+  vis = visibility(B, T, S, compress_ratio=ratio, segment_ids=segs)
+  if ratio > 1:
+    assert not vis[:, : ratio - 1].any() and vis.any(-1).sum() < B * T  # some queries see no entry
+  idx = np.where(vis, np.arange(S), -1)
+  call = functools.partial(_SMALL_BLOCKS if name == "reference_small_blocks" else
+                           functools.partial(ops.causal_attention, backend=name),
+                           scale=0.4, segment_ids=segs, compress_ratio=ratio, return_lse=True)
+  want_out, want_lse = sparse_attention_oracle(q, k, v, idx, scale=0.4)
+  dout = rng.standard_normal((B, T, N, v.shape[3])).astype(np.float32)
+  dlse = np.where(np.isfinite(want_lse), rng.standard_normal((B, T, N)), 0.0).astype(np.float32)
+  dq, dk, dv, _ = sparse_attention_grads_oracle(q, k, v, idx, dout, dlse, scale=0.4)
+  if k_is_v:
+    (out, lse), vjp = jax.vjp(lambda q, k: call(q, k, k), q, k)
+    want_grads = (dq, dk + dv)
+  else:
+    (out, lse), vjp = jax.vjp(lambda q, k, v: call(q, k, v), q, k, v)
+    want_grads = (dq, dk, dv)
+  np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(want_lse))
+  np.testing.assert_allclose(np.where(np.isfinite(want_lse), lse, 0), np.where(np.isfinite(want_lse), want_lse, 0),
+                             rtol=1e-5, atol=1e-5)
+  # An unseeded lse cotangent at a row that sees nothing must not turn into NaN (0 * inf).
+  dlse_nan = np.where(np.isfinite(want_lse), dlse, np.nan).astype(np.float32)
+  for got, want in zip(vjp((jnp.asarray(dout), jnp.asarray(dlse_nan))), want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_pallas_declines_what_the_kernel_cannot_do_and_auto_falls_back():
   q, k, v, seg = _inputs(np.random.default_rng(2), 1, 16, 2, 1, 4, 4, True)
   other = (seg, seg + 1)  # different query and key segment ids
@@ -93,6 +148,11 @@ def test_pallas_declines_what_the_kernel_cannot_do_and_auto_falls_back():
   with pytest.raises(NotImplementedError, match="head dims"):
     ops.causal_attention(np.zeros((1, 16, 1, 320), np.float32), np.zeros((1, 16, 1, 320), np.float32),
                          v[:, :, :1], scale=1.0, backend="pallas")
+  with pytest.raises(NotImplementedError, match="token-causal"):
+    ops.causal_attention(q, k[:, :4], v[:, :4], scale=1.0, segment_ids=(seg, seg[:, 3::4]), compress_ratio=4,
+                         backend="pallas")
+  with pytest.raises(NotImplementedError, match="lse cotangent"):
+    ops.causal_attention(q, k, v, scale=1.0, segment_ids=seg, return_lse=True, backend="pallas")
   fallback = REGISTRY.run(("pallas", "reference"), q, k, v, scale=1.0, q_offset=0, segment_ids=other)
   np.testing.assert_allclose(fallback, ops.causal_attention(q, k, v, scale=1.0, segment_ids=other,
                                                             backend="xla_baseline"), rtol=1e-5, atol=1e-6)
@@ -111,10 +171,23 @@ def test_reference_builds_nothing_t_by_t_forward_or_backward():
   assert any(sum(d >= T for d in x.aval.shape) >= 2 for e in equations(base) for x in e.outvars)
 
 
-def test_a_context_mesh_splits_the_queries_with_the_same_values_and_gradients():
+def _squares_and_lse(q, k, v, **kwargs):
+  """sum(out^2), plus the finite lse's sum when the call returns it."""
+  result = ops.causal_attention(q, k, v, scale=0.5, **kwargs)
+  if not kwargs.get("return_lse"):
+    return jnp.sum(result**2)
+  out, lse = result
+  return jnp.sum(out**2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_a_context_mesh_splits_the_queries_with_the_same_values_and_gradients(ratio):
   q, k, v, seg = _inputs(np.random.default_rng(6), 2, 32, 4, 2, 8, 8, True)
-  loss = jax.jit(jax.value_and_grad(
-      lambda q, k, v: jnp.sum(ops.causal_attention(q, k, v, scale=0.5, segment_ids=seg) ** 2), (0, 1, 2)))
+  # ratio 4: 8 compressed keys (2 per context shard) and lse returned, as DeepSeek-V4's HCA calls it.
+  kwargs = (dict(segment_ids=seg) if ratio == 1 else
+            dict(segment_ids=(seg, seg[:, 3::4]), compress_ratio=4, return_lse=True))
+  k, v = k[:, : 32 // ratio], v[:, : 32 // ratio]
+  loss = jax.jit(jax.value_and_grad(lambda q, k, v: _squares_and_lse(q, k, v, **kwargs), (0, 1, 2)))
   want = loss(q, k, v)
   mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   with jax.set_mesh(mesh):
@@ -134,6 +207,11 @@ def test_a_context_mesh_splits_the_queries_with_the_same_values_and_gradients():
     (dict(segment_ids=np.zeros((2, 8), np.float32)), "segment_ids must be an integer"),
     (dict(scale=np.ones(2)), "scale must be"),
     (dict(backend="nope"), "unknown backend"),
+    (dict(compress_ratio=0), "compress_ratio must be a positive int"),
+    (dict(k=np.zeros((2, 2, 2, 4), np.float32), v=np.zeros((2, 2, 2, 4), np.float32), compress_ratio=4,
+          segment_ids=np.zeros((2, 8), np.int32)), "one array needs S = T"),
+    (dict(k=np.zeros((2, 2, 2, 4), np.float32), v=np.zeros((2, 2, 2, 4), np.float32), compress_ratio=4,
+          segment_ids=(np.zeros((2, 8), np.int32), np.zeros((2, 3), np.int32))), "kv_seg.shape"),
 ])
 def test_bad_input_raises_value_error_naming_the_argument(bad, match):
   args = dict(q=np.zeros((2, 8, 4, 4), np.float32), k=np.zeros((2, 8, 2, 4), np.float32),

@@ -2,6 +2,7 @@
 architectures.md §3.6, selection replay, parameter counts, and two-stage training with resume."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,14 +11,16 @@ import pytest
 from flax import nnx
 
 from configs import deepseek_v4_flash
-from hyscale_jax import models, remat
+from hyscale_jax import models, ops, remat
 from hyscale_jax.layers.compressed_attention import CompressedSparseAttention, window_indices
 from hyscale_jax.layers.compressor import Compressor, rope_tail
 from hyscale_jax.model_config import ModelConfig
 
 try:
+  from tests.jaxpr_tools import equations
   from tests.lm_runs import assert_trains_both_stages_and_resumes, small_lm_config
 except ImportError:  # tests/ itself is on sys.path
+  from jaxpr_tools import equations
   from lm_runs import assert_trains_both_stages_and_resumes, small_lm_config
 
 _SMALL = ModelConfig(
@@ -144,6 +147,146 @@ def test_derotation_makes_the_output_depend_on_relative_positions_only(kind, rat
   a = layer(_x(6), _positions(), seg).out
   b = layer(_x(6), _positions(offset=37), seg).out
   np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _visible_entry_indices(segment_ids, entry_segments, ratio):
+  """i32[B, T, S]: every compressed entry w visible to t ((w+1)*ratio <= t+1, same document), else -1."""
+  T, S = segment_ids.shape[1], entry_segments.shape[1]
+  w = jnp.arange(S)
+  causal = (w[None, :] + 1) * ratio <= jnp.arange(T)[:, None] + 1  # [T, S]
+  visible = causal[None] & (entry_segments[:, None, :] == segment_ids[:, :, None])
+  return jnp.where(visible, w[None, None, :], -1).astype(jnp.int32)
+
+
+def _listed_entries_layer(layer, x, positions, seg):
+  """The layer as it was before issue 19 (the oracle of the streamed path): one `sparse_attention`
+  over [kv ; entries] whose index lists hold the window and every visible entry ([B, T, W + S])."""
+  c_q, q, kv = layer.queries_and_kv(x, positions)
+  entries, entry_seg = layer.compressor(x, positions, seg)
+  chosen = _visible_entry_indices(seg, entry_seg, layer.ratio)
+  window = window_indices(seg, layer.cfg.sliding_window)
+  indices = jnp.concatenate([window, jnp.where(chosen >= 0, chosen + x.shape[1], -1)], -1)
+  keys = jnp.concatenate([kv, entries], axis=1)[:, :, None]
+  out, lse = ops.sparse_attention(q, keys, None, indices, scale=layer.scale, sinks=layer.attn_sink[...])
+  loss = None
+  if layer.indexer is not None:
+    loss = ops.indexer_loss(*layer.indexer(x, c_q, positions, seg), q, entries[:, :, None], lse, None,
+                            attn_scale=layer.scale, index_scale=layer.indexer.score_scale,
+                            compress_ratio=layer.ratio, segment_ids=(seg, entry_seg))
+  return layer.project_out(out, positions), loss
+
+
+@pytest.mark.parametrize("kind, ratio", [("hca", 8), ("csa", 4)])
+def test_streamed_entries_equal_listed_entries_in_values_and_gradients(kind, ratio):
+  """HCA and the dense CSA warm-up (window by sparse_attention + every entry by causal_attention,
+  merged with the sinks) equal one sparse_attention over listed entries: output, indexer loss and
+  the gradients of every parameter and of x. Packed documents; tokens 0 .. ratio-2 and the second
+  document's first token (18: its first entry ends at token 19) see no entry."""
+  layer = _layer(kind, ratio, seed=3)
+  layer.attn_sink[...] = jax.random.normal(jax.random.key(1), (_SMALL.n_heads,))
+  seg = jnp.broadcast_to((jnp.arange(T) >= 18).astype(jnp.int32), (B, T))
+  positions = jnp.where(seg == 0, jnp.arange(T), jnp.arange(T) - 18).astype(jnp.int32)
+  _, entry_seg = layer.compressor(_x(7), positions, seg)
+  sees_entry = np.asarray(_visible_entry_indices(seg, entry_seg, ratio) >= 0).any(-1)
+  assert not sees_entry[:, : ratio - 1].any() and not sees_entry[:, 18].any() and sees_entry[:, 17].all()
+  weights = jax.random.normal(jax.random.key(2), (B, T, _SMALL.d_model))
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+  def loss(params, x, listed):
+    module = nnx.merge(graphdef, params, rest)
+    out, index_loss = _listed_entries_layer(module, x, positions, seg) if listed else (
+        module(x, positions, seg, dense=True)[::2])
+    return jnp.sum(out * weights) + (0.0 if index_loss is None else 10.0 * index_loss), (out, index_loss)
+
+  grads = {listed: jax.grad(loss, (0, 1), has_aux=True)(params, _x(7), listed) for listed in (False, True)}
+  (got, (got_out, got_index)), (want, (want_out, want_index)) = grads[False], grads[True]
+  np.testing.assert_allclose(got_out, want_out, rtol=1e-5, atol=1e-6)
+  if kind == "csa":
+    np.testing.assert_allclose(got_index, want_index, rtol=1e-5, atol=1e-7)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want), strict=True):
+    # f32 sums in another order: an absolute tolerance at the gradient's own scale.
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6 * float(np.abs(w).max()),
+                               err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("kind, ratio, dense", [("hca", 8, False), ("csa", 4, True)])
+def test_streamed_entries_build_nothing_tokens_by_entries(kind, ratio, dense):
+  """At T = 2048 (past causal_attention's 512-row query blocks) the layer's forward and backward hold no
+  array with both a T and an S = T / ratio axis; the listed-entries oracle does ([B, T, W + S] indices)."""
+  T_long = 2048
+  S = T_long // ratio
+  layer = _layer(kind, ratio)
+  x = jnp.zeros((1, T_long, _SMALL.d_model), jnp.float32)
+  positions = jnp.arange(T_long, dtype=jnp.int32)[None]
+  seg = jnp.zeros((1, T_long), jnp.int32)
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+  def shapes(call):
+    def total(params, x):
+      out, index_loss = call(nnx.merge(graphdef, params, rest), x)
+      return out.sum() + (0.0 if index_loss is None else index_loss)
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(total, (0, 1)))(params, x)
+    return {tuple(v.aval.shape) for e in equations(jaxpr) for v in (*e.invars, *e.outvars) if hasattr(v, "aval")}
+
+  t_by_s = lambda shapes: [s for s in shapes if T_long in s and (S in s or S + _SMALL.sliding_window in s)]
+  assert not t_by_s(shapes(lambda m, x: m(x, positions, seg, dense=dense)[::2]))
+  assert t_by_s(shapes(lambda m, x: _listed_entries_layer(m, x, positions, seg)))  # the check sees the old path
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("kind, ratio", [("hca", 128), ("csa", 4)])
+def test_streamed_entries_on_gpu_match_listed_entries_in_bf16(kind, ratio):
+  """On the GPU with the auto backends (Pallas sparse_attention for the window and for the listed
+  entries; causal_attention's reference, since its Pallas kernel declines compressed keys) at
+  T = 4096, bf16, 512-dim heads: the streamed path equals the listed one in output and gradients."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a CUDA device")
+  T_long = 4096
+  cfg = dataclasses.replace(_SMALL, d_model=256, n_heads=16, head_dim=512, qk_rope_dim=64, q_lora_rank=128,
+                            o_lora_rank=64, sliding_window=128, index_n_heads=8, index_head_dim=64,
+                            index_rope_dim=16, dtype="bfloat16")
+  layer = CompressedSparseAttention(cfg, kind, ratio, rngs=nnx.Rngs(0))
+  layer.attn_sink[...] = jax.random.normal(jax.random.key(1), (cfg.n_heads,))
+  x = jax.random.normal(jax.random.key(2), (1, T_long, cfg.d_model), jnp.bfloat16)
+  seg = (jnp.arange(T_long) >= 1500).astype(jnp.int32)[None]
+  positions = jnp.where(seg == 0, jnp.arange(T_long), jnp.arange(T_long) - 1500).astype(jnp.int32)
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+  @functools.partial(jax.jit, static_argnums=2)
+  def step(params, x, listed):
+    def loss(params, x):
+      module = nnx.merge(graphdef, params, rest)
+      out = _listed_entries_layer(module, x, positions, seg)[0] if listed else module(x, positions, seg, dense=True).out
+      return jnp.sum(out.astype(jnp.float32) ** 2), out
+    return jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
+
+  ((_, got_out), got), ((_, want_out), want) = step(params, x, False), step(params, x, True)
+  np.testing.assert_allclose(np.float32(got_out), np.float32(want_out), atol=3e-2, rtol=3e-2)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want), strict=True):
+    g, w = np.float32(g), np.float32(w)
+    assert np.abs(g - w).max() <= 3e-2 * np.abs(w).max(), jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("kind, ratio", [("hca", 8), ("csa", 4)])
+def test_streamed_entries_under_a_context_mesh_equal_one_device(kind, ratio):
+  """Under a data x context mesh every op splits the queries and all-gathers the keys (entries too):
+  same output, indexer loss and gradients as one device."""
+  layer = _layer(kind, ratio, seed=4)
+  seg = jnp.broadcast_to((jnp.arange(T) >= 18).astype(jnp.int32), (B, T))
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+  def loss(params, x):
+    out, index_loss = nnx.merge(graphdef, params, rest)(x, _positions(), seg, dense=True)[::2]
+    return jnp.sum(out**2) + (0.0 if index_loss is None else index_loss)
+
+  step = jax.jit(jax.value_and_grad(loss, (0, 1)))
+  want = step(params, _x(8))
+  mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    assert "shard_map" in str(jax.make_jaxpr(step)(params, _x(8)))
+    got = step(params, _x(8))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(np.asarray(b)).max()))
 
 
 def _losses(model, tokens, dense=False):

@@ -122,3 +122,15 @@ def test_moe_ragged_dot_expansion_scales_with_experts_and_tokens_and_matches_the
   tiny = ModelConfig.from_config(glm5_1.get_config("tiny").model)
   small = memory.estimate_training_memory(tiny, batch_size=8, seq_len=256)
   assert abs(small.total / (0.213 * 2**30) - 1) < 0.25, small.describe()
+
+
+def test_deepseek_v4_layer_transients_grow_linearly_with_the_length():
+  """HCA (and CSA's warm-up) stream every visible entry through `causal_attention`: no per-token list of
+  T / ratio indices, so one layer's transients per token stay flat from 64K to 1M tokens."""
+  cfg = ModelConfig.from_config(deepseek_v4_flash.get_config("tiny").model)  # HCA at ratio 16, narrow layers
+  assert "hca" in [cfg.layer_kind(i) for i in range(cfg.n_layers)]
+  est = lambda T, policy: memory.estimate_training_memory(dataclasses.replace(cfg, remat_policy=policy), batch_size=1,
+                                                          seq_len=T, param_count=10**6).components
+  for policy, part in (("full", "one layer's transients"), ("selection_replay", "saved selection and attention")):
+    per_token = {T: est(T, policy)[part] / T for T in (1 << 16, 1 << 20)}
+    assert per_token[1 << 16] == pytest.approx(per_token[1 << 20], rel=1e-6), (policy, per_token)

@@ -25,16 +25,31 @@ def window_indices(segment_ids: Int[Array, "B T"], window: int) -> Int[Array, "B
   return jnp.where((keys >= 0)[None] & same, keys[None], -1).astype(jnp.int32)
 
 
-def visible_entry_indices(segment_ids, entry_segments, ratio: int) -> Int[Array, "B T S"]:
-  """i32[B, T, S]: every compressed entry w visible to t ((w+1)*ratio <= t+1, same document), else -1.
+def merge_attention(
+    parts: list[tuple[Float[Array, "B T H D"], Float[Array, "B T H"]]],
+    sinks: Float[Array, "H"],
+) -> tuple[Float[Array, "B T H D"], Float[Array, "B T H"]]:
+  """One softmax over disjoint key sets, each attended on its own, plus a per-head sink.
 
-  O(T * T / ratio) indices: HCA's dense path (ratio 128) and the CSA warm-up at short lengths.
+  With part i's (out_i, lse_i) normalised over its own keys: `lse = logsumexp(lse_1, .., sinks)` and
+  `out = sum_i out_i * exp(lse_i - lse)`, exactly the softmax over all keys at once with the sink
+  in the denominator. Differentiable in every out_i, lse_i and the sinks; a part with lse -inf (no
+  key) weighs 0 and gets zero gradient.
+
+  Args:
+    parts: (out bf16|f32[B, T, H, D], lse f32[B, T, H]) pairs, as `ops.sparse_attention` (without
+      sinks) and `ops.causal_attention(..., return_lse=True)` return them.
+    sinks: f32[H] logits that add exp(sinks[h]) to the denominator and no value.
+
+  Returns:
+    (out [B, T, H, D] in the first part's dtype, f32 sums; lse f32[B, T, H] including the sink).
   """
-  T, S = segment_ids.shape[1], entry_segments.shape[1]
-  w = jnp.arange(S)
-  causal = (w[None, :] + 1) * ratio <= jnp.arange(T)[:, None] + 1  # [T, S]
-  visible = causal[None] & (entry_segments[:, None, :] == segment_ids[:, :, None])
-  return jnp.where(visible, w[None, None, :], -1).astype(jnp.int32)
+  lse_parts = [lse for _, lse in parts]
+  sink = jnp.broadcast_to(sinks.astype(jnp.float32), lse_parts[0].shape)
+  lse = jax.nn.logsumexp(jnp.stack([*lse_parts, sink]), axis=0)
+  safe = jnp.where(jnp.isfinite(lse), lse, 0.0)  # every part and the sink -inf: all weights are 0
+  out = sum(o.astype(jnp.float32) * jnp.exp(l - safe)[..., None] for o, l in parts)
+  return out.astype(parts[0][0].dtype), lse
 
 
 class CompressedSparseAttention(nnx.Module):
@@ -44,9 +59,15 @@ class CompressedSparseAttention(nnx.Module):
     on the last `qk_rope_dim` dims (interleaved) at the token position.
   - One shared KV head with K = V: `kv = RMSNorm(x W_kv)`, same RoPE.
   - Keys: the sliding window of raw kv (all kinds), plus compressed entries (`Compressor`): for
-    CSA the indexer's top-k (`ops.flash_topk`, `compress_ratio=csa_ratio`), for HCA every visible
-    entry. One `ops.sparse_attention` call runs over `[kv ; entries]` with concatenated index
-    lists and the per-head sink `attn_sink`.
+    CSA the indexer's top-k (`ops.flash_topk`, `compress_ratio=csa_ratio`), for HCA (and CSA's
+    dense warm-up) every visible entry. All of them and the per-head sink `attn_sink` share one
+    softmax:
+    - SWA and sparse CSA: one `ops.sparse_attention` call over `[kv ; entries]` with concatenated
+      index lists and the sink.
+    - Every visible entry: `ops.sparse_attention` over the window (no sink) and
+      `ops.causal_attention(compress_ratio=ratio, return_lse=True)` over the entries (MQA, K = V),
+      streamed in key blocks with no [T, S] index or logit array, merged with the sink by their
+      LSEs (`merge_attention`).
   - The output's rope slice is de-rotated (RoPE at -position), then a grouped low-rank output
     projection: `o_groups` groups of heads, each `wo_a` -> o_lora, concatenated -> `wo_b`.
   - CSA's indexer loss: the teacher is the attention mass on compressed entries under the full
@@ -121,12 +142,18 @@ class CompressedSparseAttention(nnx.Module):
     """
     del shared_indices
     cfg = self.cfg
-    B, T, _ = x.shape
+    T = x.shape[1]
     backend = lambda name: getattr(backends, name, "auto") if backends is not None else "auto"
     c_q, q, kv = self.queries_and_kv(x, positions)
-    keys, index_lists = kv, [window_indices(segment_ids, cfg.sliding_window)]
+    window = window_indices(segment_ids, cfg.sliding_window)
+    sinks = self.attn_sink[...]
+    # K = V: the values are the keys (v=None).
+    sparse = lambda keys, indices, **kw: ops.sparse_attention(q, keys[:, :, None], None, indices, scale=self.scale,
+                                                              backend=backend("sparse_attention"), **kw)
     selection = indexer_loss = None
-    if self.compressor is not None:
+    if self.compressor is None:
+      out, lse = sparse(kv, window, sinks=sinks)
+    else:
       entries, entry_seg = self.compressor(x, positions, segment_ids)  # [B, S, hd], [B, S]
       segs = (segment_ids, entry_seg)
       index_inputs = None if self.indexer is None else self.indexer(x, c_q, positions, segment_ids)
@@ -134,21 +161,28 @@ class CompressedSparseAttention(nnx.Module):
         selection = ops.flash_topk(*index_inputs, topk=cfg.index_topk, compress_ratio=self.ratio,
                                    scale=self.indexer.score_scale, segment_ids=segs,
                                    backend=backend("flash_topk")).indices
-        chosen = selection
-      else:
-        chosen = visible_entry_indices(segment_ids, entry_seg, self.ratio)
-      keys = jnp.concatenate([kv, entries], axis=1)  # [B, T + S, hd]
-      index_lists.append(jnp.where(chosen >= 0, chosen + T, -1))
-    indices = jnp.concatenate(index_lists, axis=-1)
-    out, lse = ops.sparse_attention(q, keys[:, :, None], None, indices, scale=self.scale,  # K = V
-                                    sinks=self.attn_sink[...], backend=backend("sparse_attention"))
+        indices = jnp.concatenate([window, jnp.where(selection >= 0, selection + T, -1)], axis=-1)
+        out, lse = sparse(jnp.concatenate([kv, entries], axis=1), indices, sinks=sinks)  # [B, T + S, hd] keys
+      else:  # every visible entry, streamed: nothing [T, S]
+        parts = [sparse(kv, window)]
+        if entries.shape[1]:  # none before the first `ratio` tokens
+          e = entries[:, :, None]
+          parts.append(ops.causal_attention(q, e, e, scale=self.scale, segment_ids=segs, compress_ratio=self.ratio,
+                                            return_lse=True, backend=backend("causal_attention")))
+        out, lse = merge_attention(parts, sinks)
     if self.indexer is not None:
       indexer_loss = ops.indexer_loss(
           *index_inputs, q, entries[:, :, None], lse, None if dense else selection,
           attn_scale=self.scale, index_scale=self.indexer.score_scale, compress_ratio=self.ratio,
           segment_ids=segs, grad_in_forward=cfg.indexer_loss_grad_in_forward, backend=backend("indexer_loss"))
+    return AttentionOutput(self.project_out(out, positions), selection, indexer_loss)
+
+  def project_out(self, out: Float[Array, "B T H hd"], positions: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+    """The attention output [B, T, H, hd] de-rotated and through the grouped low-rank projection."""
+    cfg = self.cfg
+    B, T = out.shape[:2]
     # V carries RoPE: rotate the output's rope slice back to the query's frame.
     out = rope_tail(out, -positions, rope_dim=cfg.qk_rope_dim, theta=self.theta)
     groups = out.reshape(B, T, cfg.o_groups, -1)
     low_rank = jnp.einsum("btgi,gio->btgo", groups, self.wo_a[...].astype(out.dtype))
-    return AttentionOutput(self.wo_b(low_rank.reshape(B, T, -1)), selection, indexer_loss)
+    return self.wo_b(low_rank.reshape(B, T, -1))

@@ -71,16 +71,32 @@ def _has_indexer(cfg: ModelConfig, layer: int) -> bool:
   return cfg.has_indexer(layer)
 
 
-def _layer_bytes_per_token(cfg: ModelConfig, layer: int, seq_len: int) -> float:
-  """Bytes per token of one layer's large intermediates (matmul outputs, attention out, indices)."""
+def _attention_parts(cfg: ModelConfig, layer: int) -> int:
+  """(out, lse) pairs the layer's attention computes and `"selection_replay"` saves: DeepSeek-V4's HCA
+  attends its window (`sparse_attention`) and every visible entry (`causal_attention`) apart and
+  merges them by their LSEs; every other layer makes one call."""
+  return 2 if cfg.architecture == "deepseek_v4" and cfg.layer_kind(layer) == "hca" else 1
+
+
+def _layer_bytes_per_token(cfg: ModelConfig, layer: int) -> float:
+  """Bytes per token of one layer's large intermediates (matmul outputs, attention out, indices).
+
+  None grows with the length: HCA and CSA's warm-up stream their entries rather than list them.
+  """
   a = jnp.dtype(cfg.dtype).itemsize
   D, H, k = cfg.d_model, cfg.n_heads, cfg.experts_per_token
   index = cfg.index_n_heads * cfg.index_head_dim + cfg.index_head_dim + cfg.index_n_heads
+  lse_parts = 0  # f32 [H] per token beyond the one lse below
   if cfg.architecture == "deepseek_v4":
     hd, kind = cfg.head_dim, cfg.layer_kind(layer)
     attn = 2 * cfg.q_lora_rank + 2 * H * hd + 2 * hd + 2 * H * hd + cfg.o_groups * cfg.o_lora_rank
-    attended = cfg.sliding_window + {"csa": cfg.index_topk, "hca": seq_len // max(cfg.compress_ratios[layer], 1),
-                                     "swa": 0}[kind]
+    # i32 keys per query: the window's, and CSA's top-k. HCA's entries are streamed by
+    # `causal_attention` (no list); its window and entry parts add two (out, lse) before the merge.
+    # CSA's dense warm-up holds what HCA holds; this counts its sparse stage.
+    attended = cfg.sliding_window + (cfg.index_topk if kind == "csa" else 0)
+    if _attention_parts(cfg, layer) > 1:
+      attn += 2 * H * hd
+      lse_parts = 2 * H
     attn += index if kind == "csa" else 0
   elif cfg.architecture == "qwen4_exp":
     hd = cfg.head_dim
@@ -95,7 +111,7 @@ def _layer_bytes_per_token(cfg: ModelConfig, layer: int, seq_len: int) -> float:
     mlp = 2 * k * D + 3 * k * cfg.moe_inter + 3 * cfg.n_shared_experts * cfg.moe_inter
   else:
     mlp = 3 * cfg.dense_inter
-  return (attn + mlp + 4 * D) * a + (2 * H + cfg.n_routed_experts) * 4 + attended * 4
+  return (attn + mlp + 4 * D) * a + (2 * H + lse_parts + cfg.n_routed_experts) * 4 + attended * 4
 
 
 def moe_expansion_bytes(cfg: ModelConfig, layer: int, rows: float) -> float:
@@ -152,12 +168,13 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
   _, out_width, key_width = _attention_dims(cfg)
   # Positions per row of one LM-loss chunk: each device chunks its own T / context positions.
   chunk_rows = chunk_layout(math.ceil(seq_len / context_shards), cfg.lm_loss_chunk)[1]
-  per_layer = [_layer_bytes_per_token(cfg, i, seq_len) for i in range(cfg.n_layers)]
+  per_layer = [_layer_bytes_per_token(cfg, i) for i in range(cfg.n_layers)]
   if cfg.remat_policy == "none":
     saved = sum(per_layer)
   elif cfg.remat_policy == "selection_replay":
     attention = cfg.n_heads * (out_width * a_bytes + 4) if cfg.saves_attention(seq_len) else 0  # out, lse
-    saved = sum(attention + (cfg.index_topk * 4 if _has_indexer(cfg, i) else 0) for i in range(cfg.n_layers))
+    saved = sum(_attention_parts(cfg, i) * attention + (cfg.index_topk * 4 if _has_indexer(cfg, i) else 0)
+                for i in range(cfg.n_layers))
   else:
     saved = 0
   components = {

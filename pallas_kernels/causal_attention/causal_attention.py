@@ -4,8 +4,9 @@
 The kernel takes one segment-id array for queries and keys, causal masks aligned at position 0,
 and one head dim for q, k and v. So this backend:
 - declines (NotImplementedError) different query and key segment ids, a query offset (context
-  parallelism), key length != query length, head dims above 256 and dtypes other than
-  bf16/f16/f32;
+  parallelism), key length != query length, compressed keys (compress_ratio > 1), a differentiated
+  lse (`return_lse`: the kernel's backward takes no lse cotangent), head dims above 256 and dtypes
+  other than bf16/f16/f32;
 - pads q, k and v with zero columns to one head dim max(H, Hv) (zero columns change no logit and
   give zero output columns, sliced off), and the length to a multiple of its blocks (padded keys
   come after every real query, so causality hides them; padded rows get zero gradient);
@@ -90,9 +91,13 @@ def _jax_attention():
   return attention
 
 
-def _check_applies(q, k, v, mask):
+def _check_applies(q, k, v, mask, compress_ratio, return_lse):
   """NotImplementedError where the kernel does not apply (see the module docstring)."""
   q_offset, q_seg, kv_seg = mask
+  if compress_ratio != 1:
+    raise NotImplementedError(f"causal_attention pallas: the kernel's mask is token-causal ({compress_ratio=}).")
+  if return_lse:
+    raise NotImplementedError("causal_attention pallas: the kernel's backward takes no lse cotangent (return_lse).")
   if not (isinstance(q_offset, int) and q_offset == 0):
     raise NotImplementedError("causal_attention pallas: the kernel's causal mask starts at 0 (no q_offset).")
   if q_seg is not kv_seg:
@@ -130,7 +135,8 @@ def _resolve(config, interpret, q, v):
   return config, jax.default_backend() != "gpu" if interpret is None else interpret
 
 
-def causal_attention_forward_pallas(q, k, v, mask, *, scale, sinks=None, config: Config | None = None,
+def causal_attention_forward_pallas(q, k, v, mask, *, scale, sinks=None, compress_ratio: int = 1,
+                                    return_lse: bool = False, config: Config | None = None,
                                     interpret: bool | None = None):
   """(out [B, T, N, Hv] in q.dtype, lse f32[B, T, N]) by JAX's `mha` forward kernel.
 
@@ -139,9 +145,10 @@ def causal_attention_forward_pallas(q, k, v, mask, *, scale, sinks=None, config:
     mask: (q_offset, q_seg, kv_seg) as `ops.causal_attention` passes it; q_offset must be the int 0
       and q_seg the same array as kv_seg (int[B, T]) or both None.
     scale: logit scale. sinks: must be None (the shared vjp glue passes it).
+    compress_ratio, return_lse: must be 1 and False (declined otherwise).
     config: tiles; None = `Config.heuristics`. interpret: None = whenever JAX's backend is not a GPU.
   """
-  _check_applies(q, k, v, mask)
+  _check_applies(q, k, v, mask, compress_ratio, return_lse)
   if sinks is not None:
     raise NotImplementedError("causal_attention pallas: no sinks.")
   config, interpret = _resolve(config, interpret, q, v)
@@ -154,14 +161,16 @@ def causal_attention_forward_pallas(q, k, v, mask, *, scale, sinks=None, config:
   return out[:, :T, :, : v.shape[3]], lse
 
 
-def causal_attention_backward_pallas(residuals, cotangents, *, scale, config: Config | None = None,
-                                     interpret: bool | None = None):
+def causal_attention_backward_pallas(residuals, cotangents, *, scale, compress_ratio: int = 1,
+                                     config: Config | None = None, interpret: bool | None = None):
   """(dq, dk, dv, None) by JAX's Triton `mha` backward, from the saved out and lse.
 
   Args:
     residuals: (q, k, v, mask, sinks, out, lse) of `causal_attention_forward_pallas`.
-    cotangents: (dout [B, T, N, Hv], dlse); dlse is ignored (lse is not an output of the op).
+    cotangents: (dout [B, T, N, Hv], dlse); dlse is ignored (the forward declined `return_lse`).
+    compress_ratio: 1 (the forward declined any other).
   """
+  del compress_ratio
   q, k, v, mask, _, out, lse = residuals
   dout = cotangents[0]
   config, interpret = _resolve(config, interpret, q, v)
