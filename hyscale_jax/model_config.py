@@ -49,6 +49,9 @@ class ModelConfig:
   norm_topk_prob: bool = True
   n_group: int = 1
   topk_group: int = 1
+  # Tokens per chunk of the routed experts (layers/moe.py): dispatched rows and expert activations exist
+  # for one chunk at a time, each chunk rematerialized in the backward pass; 0 runs all tokens at once.
+  moe_token_chunk: int = 0
   # SwiGLU clamp (DeepSeek-V4): gate <= limit, |up| <= limit before silu(gate) * up; 0 disables it.
   swiglu_limit: float = 0.0
   # Residual streams (layers/hyper_connections.py): `hc_mult` parallel residual streams, 0 for a
@@ -164,6 +167,8 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {_DTYPES}.")
+    if not isinstance(self.moe_token_chunk, int) or self.moe_token_chunk < 0:
+      raise ValueError(f"model.moe_token_chunk={self.moe_token_chunk!r} must be an int >= 0 (0: unchunked).")
     if not isinstance(self.attention_query_chunk, int) or self.attention_query_chunk < 0:
       raise ValueError(f"model.attention_query_chunk={self.attention_query_chunk!r} must be an int >= 0 "
                        "(0: unchunked).")

@@ -71,6 +71,7 @@ class MoE(nnx.Module):
       swiglu_limit: float = 0.0,
       shared_expert_gate: bool = False,
       selection_bias: bool = True,
+      token_chunk: int = 0,
       rngs: nnx.Rngs,
       dtype: jnp.dtype = jnp.float32,
       param_dtype: jnp.dtype = jnp.float32,
@@ -94,6 +95,9 @@ class MoE(nnx.Module):
         `shared_expert_gate`, W [D, 1]); needs n_shared_experts > 0.
       selection_bias: keep the noaux_tc `e_score_correction_bias`; False for routers without one
         (Qwen4-Exp), which then choose by the scores alone and have no bias to update.
+      token_chunk: run the routed experts over this many tokens at a time, each chunk rematerialized
+        (memory O(token_chunk * k) rows instead of O(N * k)); 0 for all at once. Without an `expert`
+        mesh axis only; it must divide the tokens it sees when there are more.
       rngs: supplies the `params` stream.
       dtype: compute dtype of the expert matmuls (they accumulate in f32).
       param_dtype: storage dtype of the expert weights; the router is always f32.
@@ -121,7 +125,7 @@ class MoE(nnx.Module):
     self.experts_per_token = experts_per_token
     self.scoring, self.routed_scaling, self.norm_topk_prob = scoring, routed_scaling, norm_topk_prob
     self.n_group, self.topk_group = n_group, topk_group
-    self.dtype, self.swiglu_limit = dtype, swiglu_limit
+    self.dtype, self.swiglu_limit, self.token_chunk = dtype, swiglu_limit, token_chunk
     E, D, F = n_routed_experts, d_model, moe_inter
     # The router stays f32 end to end: near-tied scores flip top-k choices under bf16 rounding.
     self.gate = nnx.Linear(
@@ -198,12 +202,12 @@ class MoE(nnx.Module):
     grouped = functools.partial(self._grouped_swiglu, backend=getattr(backends, "grouped_matmul", "auto"))
     mesh = expert_parallel.expert_mesh()
     if mesh is None:
-      out, group_sizes = self._local_experts(flat.astype(self.dtype), expert_ids, experts, grouped)  # f32[N, K, D]
+      y, group_sizes = self._chunked_local_experts(flat.astype(self.dtype), expert_ids, weights, experts, grouped)
     else:  # the experts are split over the mesh's `expert` axis: all-to-all dispatch
       out, group_sizes = expert_parallel.expert_parallel(
           x.astype(self.dtype), expert_ids.reshape(B, T, K), experts, grouped, mesh=mesh)
-      out = out.reshape(B * T, K, D)
-    y = jnp.einsum("NKD,NK->ND", out, weights)  # f32[N, D]
+      y = jnp.einsum("NKD,NK->ND", out.reshape(B * T, K, D), weights,
+                     preferred_element_type=jnp.float32)  # f32[N, D]
 
     if self.shared_experts is not None:
       shared = self.shared_experts(flat)
@@ -213,24 +217,46 @@ class MoE(nnx.Module):
     expert_load = group_sizes.astype(jnp.float32) / (B * T * K)  # [E]
     return y.reshape(B, T, D).astype(x.dtype), expert_load
 
-  def _local_experts(self, flat, expert_ids, experts, grouped):
-    """All experts on this device: (f32[N, K, D] each copy's expert output, i32[E] copies per expert)."""
+  def _chunked_local_experts(self, flat, expert_ids, weights, experts, grouped):
+    """`_local_experts` over `token_chunk` tokens at a time, each chunk rematerialized in the backward pass.
+
+    Routing is per token, so chunks give the same result; what changes is that the dispatched rows,
+    the experts' activations and their gradients exist for one chunk at a time: O(token_chunk * k *
+    width) instead of O(N * k * width) (at GLM-5.1's 64K tokens, 0.5M routed rows of 6144 and 2048
+    wide activations: tens of GB). The cost is one more forward of the experts per chunk.
+    """
+    N, D = flat.shape
+    chunk = self.token_chunk
+    if not chunk or N <= chunk:
+      return self._local_experts(flat, expert_ids, weights, experts, grouped)
+    if N % chunk:
+      raise ValueError(f"model.moe_token_chunk={chunk} must divide the tokens per device N={N} "
+                       "(or be >= N, or 0 for one chunk).")
+    split = lambda a: a.reshape(N // chunk, chunk, *a.shape[1:])  # [N / chunk, chunk, ...]
+    body = jax.checkpoint(lambda xs: self._local_experts(*xs, experts, grouped), prevent_cse=False)
+    y, group_sizes = jax.lax.map(body, (split(flat), split(expert_ids), split(weights)))
+    return y.reshape(N, D), group_sizes.sum(axis=0)
+
+  def _local_experts(self, flat, expert_ids, weights, experts, grouped):
+    """All experts on this device: (f32[N, D] the weighted sum of each token's k expert outputs, i32[E] copies per expert)."""
     N, K = expert_ids.shape
     # Sort the N*K token copies by expert so each expert's rows are contiguous for the grouped matmul.
     slot_ids = expert_ids.reshape(-1)  # [N*K]
     order = jnp.argsort(slot_ids, stable=True)  # [N*K]
     group_sizes = jnp.bincount(slot_ids, length=self.n_routed_experts).astype(jnp.int32)  # [E]
-    rows = flat[order // K]  # [N*K, D], row j is a copy of token order[j] // K
-    out = grouped(rows, group_sizes, *experts)  # f32[N*K, D]
-    out = jnp.zeros_like(out).at[order].set(out)  # [N*K, D], back in (token, k) order
-    return out.reshape(N, K, -1), group_sizes
+    token = order // K  # [N*K], the token of each sorted copy
+    out = grouped(flat[token], group_sizes, *experts)  # [N*K, D] in the compute dtype
+    # The combine adds each weighted copy into its token's row: no [N*K, D] copy in token order, and in
+    # the backward one gather of dy per copy.
+    weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]  # [N*K, D]
+    return jnp.zeros((N, out.shape[1]), jnp.float32).at[token].add(weighted), group_sizes
 
   def _grouped_swiglu(self, rows, group_sizes, w_gate, w_up, w_down, *, backend="auto"):
-    """The experts' SwiGLU on expert-sorted rows [R, D] -> f32[R, D] (rows past the groups give 0)."""
+    """The experts' SwiGLU on expert-sorted rows [R, D] -> [R, D] in the compute dtype (rows past the groups give 0)."""
     gmm = lambda lhs, w: ops.grouped_matmul(lhs, w.astype(self.dtype), group_sizes, backend=backend)
     f32 = lambda w: gmm(rows, w).astype(jnp.float32)  # SwiGLU in f32, as with ragged_dot's f32 outputs
     h = swiglu(f32(w_gate), f32(w_up), self.swiglu_limit)  # f32[R, F]
-    return gmm(h.astype(self.dtype), w_down).astype(jnp.float32)  # [R, D]
+    return gmm(h.astype(self.dtype), w_down)  # [R, D]
 
 
 def update_router_bias(moe: MoE, expert_load: Float[Array, "E"], rate: float) -> None:

@@ -60,7 +60,7 @@ class DecoderLayer(nnx.Module):
                      cfg.n_shared_experts, scoring=cfg.scoring, routed_scaling=cfg.routed_scaling,
                      norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group, topk_group=cfg.topk_group,
                      swiglu_limit=cfg.swiglu_limit, shared_expert_gate=cfg.shared_expert_gate,
-                     selection_bias=cfg.router_bias, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+                     selection_bias=cfg.router_bias, token_chunk=cfg.moe_token_chunk, rngs=rngs, dtype=dtype, param_dtype=pdtype)
     else:
       self.mlp = MLP(cfg.d_model, cfg.dense_inter, swiglu_limit=cfg.swiglu_limit, rngs=rngs, dtype=dtype,
                      param_dtype=pdtype)
