@@ -30,6 +30,9 @@ _SCRIPTS = {
                    and data["rows"][1]["check_ok"] and "parts_s" in data["rows"][1]),
     "model_step": (["bench/model_step.py", "--smoke", "--modes", "hyscale"],
                    lambda data: all(_positive(r.get("steps_per_s", -1.0)) for r in data["rows"])),
+    "compile_time": (["bench/compile_time.py", "--smoke"],
+                     lambda data: len(data["rows"]) == 4 and all(_positive(r["total_s"]) for r in data["rows"])
+                     and data["depths"] == [2, 6] and set(data["deep_over_shallow"]) == {"scan", "unrolled"}),
 }
 
 
