@@ -115,7 +115,8 @@ class Decoder(nnx.Module):
 
   Module paths (`embed_tokens`, `layers`, `norm`, `lm_head`) follow the HF checkpoint keys. Each
   layer runs under `jax.checkpoint` with the config's remat policy, so `"selection_replay"` saves
-  the selection and never reselects in the backward pass.
+  the selection and never reselects in the backward pass. With `cfg.scan_layers` repeating runs
+  of layers go through `jax.lax.scan` (see `_run_layers`); `layers` stays one module per layer.
   """
 
   def make_attention(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
