@@ -89,10 +89,10 @@ def test_scanned_layers_match_unrolled_layers(cfg, scan_lengths):
   for scan in (False, True):
     graphdef, params, rest = _split(cfg, scan)
     total = _objective(cfg, graphdef, rest)
-    jaxpr = jax.make_jaxpr(jax.value_and_grad(total, has_aux=True))(params)
+    step = jax.value_and_grad(total, has_aux=True)
     # Forward and backward scans.
-    assert _layer_scans(jaxpr) == (scan_lengths * 2 if scan else [])
-    results[scan] = jax.value_and_grad(total, has_aux=True)(params)
+    assert _layer_scans(jax.make_jaxpr(step)(params)) == (scan_lengths * 2 if scan else [])
+    results[scan] = jax.jit(step)(params)
   (loss, aux), grads = results[False]
   (scan_loss, scan_aux), scan_grads = results[True]
   np.testing.assert_allclose(scan_loss, loss, rtol=1e-6)
@@ -118,10 +118,11 @@ def test_selections_per_step_do_not_depend_on_scanning(policy):
   assert counts == [full_layers * (2 if policy == "full" else 1)] * 2
 
 
+@pytest.mark.slow
 def test_dense_warm_up_scans_without_indices():
   grads = []
   for scan in (False, True):
     graphdef, params, rest = _split(_GLM, scan)
-    grads.append(jax.grad(lambda p: _objective(_GLM, graphdef, rest, dense=True)(p)[0])(params))
+    grads.append(jax.jit(jax.grad(lambda p: _objective(_GLM, graphdef, rest, dense=True)(p)[0]))(params))
   for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
