@@ -115,6 +115,10 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat_policy: str = "selection_replay"
+  # Runs of structurally identical layers (or of a repeating block of them) go through one
+  # jax.lax.scan (models/decoder.py), so trace and compile time do not grow with depth; False
+  # unrolls every layer (same values and gradients; for comparison and debugging).
+  scan_layers: bool = True
 
   def saves_attention(self, seq_len: int) -> bool:
     """Whether "selection_replay" saves the attention's out/lse at this length (not when MLA chunks).

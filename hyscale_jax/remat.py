@@ -21,6 +21,9 @@ ATTENTION_OUT = "hyscale_attention_out"
 ATTENTION_LSE = "hyscale_attention_lse"
 # The indexer loss's gradient, computed in its forward pass (`ops.indexer_loss(grad_in_forward=True)`).
 INDEXER_GRADS = "hyscale_indexer_grads"
+# The named scope (`jax.named_scope`) of a scan over layers: `count_named_equations` counts its body
+# per layer. Scopes reach the scan equations, forward and transposed, not the equations inside them.
+LAYER_SCAN = "hyscale_layer_scan"
 
 RematPolicy = Literal["selection_replay", "full", "none"]
 REMAT_POLICIES: tuple[str, ...] = get_args(RematPolicy)
@@ -68,16 +71,31 @@ def count_named_equations(jaxpr, fragment: str = "flash_topk") -> int:
   """Counts equations whose `name` parameter contains `fragment`, without looking inside them.
 
   `count_named_equations(jax.make_jaxpr(jax.grad(loss))(...))` is how many selections a training
-  step asks for: one per indexer layer under `"selection_replay"`, two under `"full"`.
+  step asks for: one per indexer layer under `"selection_replay"`, two under `"full"`. A scan over
+  layers (called under `jax.named_scope(LAYER_SCAN)`) appears once in the jaxpr and counts `length`
+  times; other loops (a layer's query chunks) count once.
   """
   import jax.extend.core  # noqa: PLC0415  (jax.extend must be imported explicitly)
 
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  # Autodiff hoists the loop-invariant part of a scan body's equations (a flash_topk's masks and
+  # initial values) out of the loop as an equation of the same name that only feeds the scan.
+  consumers: dict = {}
+  for eqn in jaxpr.eqns:
+    for var in eqn.invars:
+      if isinstance(var, jax.extend.core.Var):
+        consumers.setdefault(var, set()).add(eqn.primitive.name)
+  for var in jaxpr.outvars:
+    if isinstance(var, jax.extend.core.Var):
+      consumers.setdefault(var, set()).add("output")
+  hoisted = lambda eqn: all(consumers.get(var, set()) <= {"scan"} for var in eqn.outvars)
   count = 0
   for eqn in jaxpr.eqns:
     if fragment in str(eqn.params.get("name", "")):
-      count += 1
+      count += not hoisted(eqn)
       continue
     for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      count += count_named_equations(sub, fragment)
+      inner = count_named_equations(sub, fragment)
+      layer_scan = eqn.primitive.name == "scan" and LAYER_SCAN in str(eqn.source_info.name_stack)
+      count += inner * (eqn.params["length"] if layer_scan else 1)
   return count

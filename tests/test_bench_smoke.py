@@ -25,9 +25,10 @@ _SCRIPTS = {
                    lambda data: all(_positive(r["ms"]) for r in data) and data[0]["rescued"] == 0),
     "sparse_attention": (["bench/sparse_attention.py", "table", "--smoke"],
                          lambda data: all(_positive(r.get("pallas_fwd_ms", 1.0)) for r in data["rows"])),
-    "layer_step": (["bench/layer_step.py", "--smoke", "--layers", "dsa", "--modes", "megatron_style", "hyscale"],
-                   lambda data: len(data["rows"]) == 2 and all(_positive(r["step_s"]) for r in data["rows"])
-                   and data["rows"][1]["check_ok"] and "parts_s" in data["rows"][1]),
+    "layer_step": (["bench/layer_step.py", "--smoke", "--layers", "dsa", "glm", "--modes", "megatron_style", "hyscale"],
+                   lambda data: len(data["rows"]) == 4 and all(_positive(r["step_s"]) for r in data["rows"])
+                   and all(r["check_ok"] and "parts_s" in r for r in data["rows"][1::2])
+                   and _positive(data["rows"][3]["parts_s"]["moe"])),
     "causal_attention": (["bench/causal_attention.py", "--smoke"],
                          lambda data: len(data["rows"]) == 3 and all(_positive(r["ms"]) for r in data["rows"])
                          and all(r["max_out_diff"] < 1e-4 for r in data["rows"][1:])),
@@ -36,6 +37,9 @@ _SCRIPTS = {
     "grouped_matmul": (["bench/grouped_matmul.py", "--smoke"],
                        lambda data: {r["pass"] for r in data["rows"]} == {"forward", "dx", "dw"}
                        and all(r["check_ok"] and _positive(r["ms"]) and _positive(r["tflops"]) for r in data["rows"])),
+    "compile_time": (["bench/compile_time.py", "--smoke"],
+                     lambda data: len(data["rows"]) == 4 and all(_positive(r["total_s"]) for r in data["rows"])
+                     and data["depths"] == [2, 6] and set(data["deep_over_shallow"]) == {"scan", "unrolled"}),
 }
 
 

@@ -35,6 +35,34 @@ def _leave(connection, x, block_output, mix):
   return x + block_output if connection is None else connection.leave(x, block_output, mix)
 
 
+def periodic_runs(keys: list, max_period: int = 8) -> list[tuple[int, int, int]]:
+  """Splits a layer sequence into runs (start, period, repeats) of a repeating block, in order.
+
+  `keys[i]` is layer i's structure (anything comparable with ==). At each position the run takes
+  the period p <= max_period whose block keys[i:i+p] repeats most often back to back (the smaller
+  p on ties); a run of one repeat is one layer (p = 1). The runs cover range(len(keys)).
+  E.g. [D, F, S, F, S, F, S] -> [(0, 1, 1), (1, 2, 3)].
+  """
+  runs, start, n = [], 0, len(keys)
+  while start < n:
+    best_period, best_repeats = 1, 1
+    for period in range(1, min(max_period, n - start) + 1):
+      block, repeats = keys[start:start + period], 1
+      while keys[start + repeats * period:start + (repeats + 1) * period] == block:
+        repeats += 1
+      if repeats > best_repeats:
+        best_period, best_repeats = period, repeats
+    runs.append((start, best_period, best_repeats))
+    start += best_period * best_repeats
+  return runs
+
+
+def _structure(graphdef, state):
+  """What must agree for two layers to share a scan body: graph, state tree, leaf shapes and dtypes."""
+  leaves, treedef = jax.tree.flatten(state)
+  return graphdef, treedef, tuple((a.shape, a.dtype) for a in leaves)
+
+
 class DecoderLayer(nnx.Module):
   """Pre-norm block: RMSNorm -> sparse attention -> residual -> RMSNorm -> MLP or MoE -> residual.
 
@@ -88,7 +116,8 @@ class Decoder(nnx.Module):
 
   Module paths (`embed_tokens`, `layers`, `norm`, `lm_head`) follow the HF checkpoint keys. Each
   layer runs under `jax.checkpoint` with the config's remat policy, so `"selection_replay"` saves
-  the selection and never reselects in the backward pass.
+  the selection and never reselects in the backward pass. With `cfg.scan_layers` repeating runs
+  of layers go through `jax.lax.scan` (see `_run_layers`); `layers` stays one module per layer.
   """
 
   def make_attention(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
@@ -117,6 +146,83 @@ class Decoder(nnx.Module):
     self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
         cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs, param_dtype=pdtype,
         kernel_metadata=shd.param(shd.EMBED, shd.VOCAB))
+
+  def _run_layers(self, x, positions, segment_ids, activation_axes, *, dense, backends):
+    """The layer stack: x [B, T, D] (or streams [B, T, N, D]) -> (x, indexer losses, expert loads).
+
+    The losses (f32[] each) and loads (f32[E] each) are per-layer lists in layer order. Each layer
+    runs under `jax.checkpoint` with the config's remat policy. IndexShare: a layer without its own
+    indexer gets the previous full layer's `indices`.
+
+    With `cfg.scan_layers`, each run of `periodic_runs` with two or more repeats of its block
+    (e.g. GLM's MoE layers, or [full, shared, shared, shared] under IndexShare with freq 4) goes
+    through one `jax.lax.scan` over the repeats, so tracing and compiling cost one block, not one
+    per layer; `indices` is in the scan's carry. The module tree stays one module per layer (the
+    layout of checkpoints, the HF converter, sharding rules and `model.layers[i]`): the scan stacks
+    the run's layer states here, inside the step. That costs a transient stacked copy of the run's
+    parameters and, in the backward pass, of their gradients (sliced back per layer), both in the
+    parameter dtype and sharded like the parameters; storing the parameters stacked would avoid
+    it, but would change the checkpoint layout that every per-layer consumer reads.
+    """
+    policy = self.cfg.remat_policy
+    def run_layer(graphdef, state, x, positions, segment_ids, shared_indices):
+      layer = nnx.merge(graphdef, state)  # a pure function of the layer's state, for jax.checkpoint
+      return layer(x, positions, segment_ids, dense=dense, shared_indices=shared_indices, backends=backends)
+
+    if policy != "none":
+      T = x.shape[1]
+      jax_policy = remat.checkpoint_policy(policy, save_attention=dense or self.cfg.saves_attention(T))
+      run_layer = jax.checkpoint(run_layer, policy=jax_policy, static_argnums=0)
+
+    def run_block(graphdefs, owns_indexer, x, indices, states):
+      """Consecutive layers: (x, indices, their indexer losses, their expert loads)."""
+      losses, loads = [], []
+      for graphdef, owns, state in zip(graphdefs, owns_indexer, states, strict=True):
+        # Between layers the activations are split over batch and sequence, whole in D: FSDP gathers
+        # the weights rather than splitting the activations' width.
+        x = shd.shard(x, activation_axes)
+        x, layer_indices, indexer_loss, load = run_layer(graphdef, state, x, positions, segment_ids, indices)
+        if owns:
+          indices = layer_indices
+        losses += [] if indexer_loss is None else [indexer_loss]
+        loads += [] if load is None else [load]
+      return x, indices, losses, loads
+
+    layers = list(self.layers)
+    graphs = [nnx.split(layer) for layer in layers]
+    if self.cfg.scan_layers:
+      runs = periodic_runs([_structure(*graph) for graph in graphs])
+    else:
+      runs = [(i, 1, 1) for i in range(len(layers))]
+    indices, indexer_losses, loads = None, [], []
+    for start, period, repeats in runs:
+      graphdefs = [graphdef for graphdef, _ in graphs[start:start + period]]
+      owns_indexer = [layer.self_attn.indexer is not None for layer in layers[start:start + period]]
+      states = [state for _, state in graphs[start:start + period * repeats]]
+      # Called directly: a lone block, and the first block that makes `indices` when none came in
+      # (the scan's carry must keep one structure).
+      direct = 1 if indices is None and any(owns_indexer) else 0
+      direct = repeats if repeats - direct < 2 else direct
+      for r in range(direct):
+        x, indices, block_losses, block_loads = run_block(graphdefs, owns_indexer, x, indices,
+                                                          states[r * period:(r + 1) * period])
+        indexer_losses += block_losses
+        loads += block_loads
+      if repeats == direct:
+        continue
+      rest = states[direct * period:]
+      stacked = [jax.tree.map(lambda *a: jnp.stack(a), *rest[j::period]) for j in range(period)]
+
+      def body(carry, block_states, graphdefs=graphdefs, owns_indexer=owns_indexer):
+        x, indices, block_losses, block_loads = run_block(graphdefs, owns_indexer, *carry, block_states)
+        return (x, indices), (block_losses, block_loads)
+
+      with jax.named_scope(remat.LAYER_SCAN):
+        (x, indices), (scan_losses, scan_loads) = jax.lax.scan(body, (x, indices), stacked)
+      # [repeats, per block] -> layer order.
+      indexer_losses += list(jnp.stack(scan_losses, 1).reshape(-1)) if scan_losses else []
+      loads += list(jnp.stack(scan_loads, 1).reshape(-1, scan_loads[0].shape[-1])) if scan_loads else []
+    return x, indexer_losses, loads
 
   def hidden_states(
       self,
@@ -150,27 +256,8 @@ class Decoder(nnx.Module):
     activation_axes = (shd.BATCH, shd.LENGTH, shd.ACT_EMBED)
     if self.hc_head is not None:
       x, activation_axes = expand_streams(x, self.cfg.hc_mult), (shd.BATCH, shd.LENGTH, None, shd.ACT_EMBED)
-    policy = self.cfg.remat_policy
-    indices, indexer_losses, loads = None, [], []
-    def run_layer(graphdef, state, x, positions, segment_ids, shared_indices):
-      layer = nnx.merge(graphdef, state)  # a pure function of the layer's state, for jax.checkpoint
-      return layer(x, positions, segment_ids, dense=dense, shared_indices=shared_indices, backends=backends)
-
-    if policy != "none":
-      jax_policy = remat.checkpoint_policy(policy, save_attention=dense or self.cfg.saves_attention(T))
-      run_layer = jax.checkpoint(run_layer, policy=jax_policy, static_argnums=0)
-    for layer in self.layers:
-      # Between layers the activations are split over batch and sequence, whole in D: FSDP gathers
-      # the weights rather than splitting the activations' width.
-      x = shd.shard(x, activation_axes)
-      graphdef, state = nnx.split(layer)
-      x, layer_indices, indexer_loss, load = run_layer(graphdef, state, x, positions, segment_ids, indices)
-      if layer.self_attn.indexer is not None:
-        indices = layer_indices
-      if indexer_loss is not None:
-        indexer_losses.append(indexer_loss)
-      if load is not None:
-        loads.append(load)
+    x, indexer_losses, loads = self._run_layers(x, positions, segment_ids, activation_axes, dense=dense,
+                                                backends=backends)
     if self.hc_head is not None:
       x = self.hc_head(x)
     if self.norm is not None:
