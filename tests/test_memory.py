@@ -102,16 +102,17 @@ def test_memory_check_smoke_runs_and_writes_json(tmp_path):
 
 
 def test_moe_ragged_dot_expansion_scales_with_experts_and_tokens_and_matches_the_h200():
-  """The MoE term is E x R x (D, F) bytes (ragged_dot expanded to a dense masked dot off TPU).
+  """Under ragged_dot the MoE term is E x R x (D, F) bytes (expanded to a dense masked dot off TPU).
 
-  Calibration: the 2L-mid GLM-5.1 at 16K measured a 128.5 GiB peak on an H200 (0.213 GiB for the
-  tiny config at 8 x 256); the estimate must stay within 25% of both.
+  Calibration: the 2L-mid GLM-5.1 at 16K measured a 128.5 GiB peak on an H200 before the grouped
+  kernel (0.213 GiB for the tiny config at 8 x 256); the estimate must stay within 25% of both.
   """
   mid = dict(vocab_size=32768, dtype="bfloat16", param_dtype="float32", n_layers=2, first_k_dense=1,
-             n_routed_experts=16)
+             n_routed_experts=16, moe_token_chunk=0)
   cfg = dataclasses.replace(_GLM_FULL, **mid)
-  est = lambda c=cfg, T=16384, **kw: memory.estimate_training_memory(c, batch_size=1, seq_len=T, **kw)
-  term = lambda e: e.components["MoE ragged_dot expansion"]
+  est = lambda c=cfg, T=16384, **kw: memory.estimate_training_memory(c, batch_size=1, seq_len=T,
+                                                                     grouped_kernel=False, **kw)
+  term = lambda e: e.components["MoE routed experts"]
   base = est()
   assert term(est(T=32768)) == 2 * term(base)
   assert term(est(dataclasses.replace(cfg, n_routed_experts=32))) == 2 * term(base)
@@ -134,3 +135,16 @@ def test_deepseek_v4_layer_transients_grow_linearly_with_the_length():
   for policy, part in (("full", "one layer's transients"), ("selection_replay", "saved selection and attention")):
     per_token = {T: est(T, policy)[part] / T for T in (1 << 16, 1 << 20)}
     assert per_token[1 << 16] == pytest.approx(per_token[1 << 20], rel=1e-6), (policy, per_token)
+
+
+def test_grouped_kernel_moe_term_is_one_token_chunk_without_the_expert_factor():
+  cfg = dataclasses.replace(_GLM_FULL, n_layers=2, first_k_dense=1, dtype="bfloat16", moe_token_chunk=16384)
+  est = lambda T, **kw: memory.estimate_training_memory(cfg, batch_size=1, seq_len=T, param_count=10**9,
+                                                        **kw).components["MoE routed experts"]
+  grouped, expanded = est(16384, grouped_kernel=True), est(16384, grouped_kernel=False)
+  assert 0 < grouped < expanded / 100  # no [E, R, ...] copies: E = 256
+  assert est(131072, grouped_kernel=True) == grouped  # one chunk of tokens, whatever T
+  unchunked = dataclasses.replace(cfg, moe_token_chunk=0)
+  assert memory.estimate_training_memory(unchunked, batch_size=1, seq_len=131072, param_count=10**9,
+                                         grouped_kernel=True).components["MoE routed experts"] == 8 * grouped
+  assert not memory.grouped_matmul_kernel_applies(cfg)  # CPU: the op runs ragged_dot

@@ -241,3 +241,28 @@ def test_swiglu_limit_clamps_gate_above_and_up_both_ways():
   expected = jax.nn.silu(jnp.asarray([-20.0, 0.5, 10.0])) * jnp.asarray([-10.0, 0.5, 10.0])
   np.testing.assert_allclose(clamped, expected, rtol=1e-6)
   np.testing.assert_allclose(swiglu(gate, up), jax.nn.silu(gate) * up, rtol=1e-6)
+
+
+def test_token_chunks_give_the_same_output_load_and_gradients():
+  """`token_chunk` runs the routed experts over token chunks (each rematerialized): same numbers."""
+  x = jax.random.normal(jax.random.key(3), (2, 24, 16))
+
+  def run(chunk):
+    moe = MoE(16, 24, 6, 2, 1, token_chunk=chunk, rngs=nnx.Rngs(0))
+
+    def loss(moe, x):
+      y, load = moe(x)
+      return jnp.sum(y * jnp.cos(y)), (y, load)
+
+    return nnx.value_and_grad(loss, has_aux=True, argnums=(0, 1))(moe, x)
+
+  (value, (y, load)), grads = run(0)
+  for chunk in (16, 48):  # 3 chunks of the 48 tokens, and one chunk (= N: unchunked path)
+    (value_c, (y_c, load_c)), grads_c = run(chunk)
+    np.testing.assert_allclose(y_c, y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(load_c, load)
+    np.testing.assert_allclose(value_c, value, rtol=1e-5)
+    for g_c, g in zip(jax.tree.leaves(grads_c), jax.tree.leaves(grads), strict=True):
+      np.testing.assert_allclose(g_c, g, rtol=1e-4, atol=1e-6)
+  with pytest.raises(ValueError, match="moe_token_chunk=20"):
+    MoE(16, 24, 6, 2, 1, token_chunk=20, rngs=nnx.Rngs(0))(x)

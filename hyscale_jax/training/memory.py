@@ -12,12 +12,14 @@ The estimate adds, per device:
 - the largest transient of one layer: its intermediates while its backward runs (the recomputed
   forward and their gradients), or the all-gathered key rows under context parallelism (counted
   at full T even when MLA query chunking would hold them one chunk at a time: an upper bound);
-- the MoE's grouped matmuls as XLA runs them off TPU: `jax.lax.ragged_dot` is expanded into a dense
-  dot over a group-masked, group-broadcast operand (XLA's `RaggedDotRewriter` on GPU, JAX's own
-  `_ragged_dot_general_impl` on CPU), so the dispatched rows [R, D] (R = tokens x experts_per_token)
-  become [E, R, D] and the backward's operands, cast to f32 to meet the f32 cotangents, become f32
-  [E, R, D] and [E, R, F]. At the 2L-mid GLM-5.1 (E=16, R=131072 at 16K tokens) that is 88 GiB of
-  the 110 GiB of temporaries measured on an H200, the dominant term of the step (`moe_expansion_bytes`);
+- the routed experts of one MoE layer's backward, for one token chunk (`model.moe_token_chunk`,
+  all tokens when 0) of R = tokens x experts_per_token dispatched rows (`moe_expert_bytes`): with
+  `ops.grouped_matmul`'s Hopper kernels, the rows and the experts' activations and their gradients,
+  O(R x (D + F)); where the op runs `jax.lax.ragged_dot` (CPU, other GPUs), XLA (and JAX on CPU)
+  expand it into a dense dot over a group-masked, group-broadcast operand, [R, D] -> [E, R, D], and
+  the backward's operands, cast to f32 to meet the f32 cotangents, become f32 [E, R, D] and
+  [E, R, F]: at the 2L-mid GLM-5.1 (E=16, R=131072 at 16K tokens) 88 GiB of the 110 GiB of
+  temporaries measured on an H200 before the grouped kernel;
 - a fixed runtime reserve (cuBLAS workspaces, autotuning scratch) that the device's peak shows on
   top of the compiled arguments and temporaries.
 It is an estimate of the dominant terms, not of XLA's exact buffer assignment. The copy factors
@@ -49,6 +51,9 @@ LOGITS_COPIES = 2.0
 # Together they put the H200 peaks within 4% (2L mid at 16K: 133.8 GiB est. vs 128.5 measured;
 # tiny: 0.216 vs 0.213); the bench prints this term.
 MOE_EXPANSION_F32_COPIES = 1.0
+# The grouped kernel's per-row buffers of `moe_expert_bytes` live at once: a prior, not yet fitted
+# to a whole-model peak (the GLM-5.1 decoder layer's H200 peaks are in bench/results/layer_step.json).
+MOE_GROUPED_COPIES = 1.0
 # What the device's peak holds beyond the compiled program: 70 MB on the tiny H200 run, 0.2 GiB at 16K.
 RUNTIME_RESERVE_BYTES = 64 * 2**20
 
@@ -84,7 +89,7 @@ def _layer_bytes_per_token(cfg: ModelConfig, layer: int) -> float:
   None grows with the length: HCA and CSA's warm-up stream their entries rather than list them.
   """
   a = jnp.dtype(cfg.dtype).itemsize
-  D, H, k = cfg.d_model, cfg.n_heads, cfg.experts_per_token
+  D, H = cfg.d_model, cfg.n_heads
   index = cfg.index_n_heads * cfg.index_head_dim + cfg.index_head_dim + cfg.index_n_heads
   lse_parts = 0  # f32 [H] per token beyond the one lse below
   if cfg.architecture == "deepseek_v4":
@@ -107,28 +112,38 @@ def _layer_bytes_per_token(cfg: ModelConfig, layer: int) -> float:
     attn = (2 * cfg.q_lora_rank + H * (nope + R) + H * L + H * (L + R) + 2 * (L + R) + L + H * L
             + H * cfg.v_head_dim + (index if cfg.has_indexer(layer) else 0))
     attended = cfg.index_topk
-  if cfg.is_moe(layer):  # dispatched token copies in and out, the experts' SwiGLU, the shared experts
-    mlp = 2 * k * D + 3 * k * cfg.moe_inter + 3 * cfg.n_shared_experts * cfg.moe_inter
+  if cfg.is_moe(layer):  # the shared experts and the f32 combine (the routed rows: `moe_expert_bytes`)
+    mlp = 3 * cfg.n_shared_experts * cfg.moe_inter + 2 * D
   else:
     mlp = 3 * cfg.dense_inter
   return (attn + mlp + 4 * D) * a + (2 * H + lse_parts + cfg.n_routed_experts) * 4 + attended * 4
 
 
-def moe_expansion_bytes(cfg: ModelConfig, layer: int, rows: float) -> float:
-  """Bytes of one MoE layer's ragged_dot expansion in its backward (0 for a dense layer).
+def grouped_matmul_kernel_applies(cfg: ModelConfig) -> bool:
+  """Whether `ops.grouped_matmul` runs its Hopper kernel here ("auto" on an sm_90 GPU, bf16/f16), not ragged_dot."""
+  if jax.default_backend() != "gpu" or jnp.dtype(cfg.dtype).itemsize != 2:
+    return False
+  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
-  `rows` tokens on this device dispatch R = rows * experts_per_token copies. Off TPU, XLA (or JAX on
-  CPU) runs `ragged_dot` as a dense dot over an operand masked per expert and broadcast over the E
-  experts: [R, D] -> [E, R, D]. The weight gradients (ragged contracting) expand both operands, and
-  the backward runs in f32 (the cotangents are f32, so the bf16 rows are cast up), so one step holds
-  about an f32 [E, R, D] and [E, R, F] plus the forward's [E, R, D] in the activation dtype: E times
-  what a grouped-GEMM kernel would need. E is all of n_routed_experts: exact without an `expert`
+
+def moe_expert_bytes(cfg: ModelConfig, layer: int, rows: float, *, grouped_kernel: bool) -> float:
+  """Bytes of one MoE layer's routed experts in its backward, for one token chunk (0 for a dense layer).
+
+  `rows` tokens on this device, `model.moe_token_chunk` of them at a time, dispatch R = tokens *
+  experts_per_token copies. With the grouped kernel (`grouped_kernel`): the dispatched rows, the
+  expert outputs and the f32 combine [R, D], the gate/up/hidden activations and their f32 gradients
+  [R, F], `MOE_GROUPED_COPIES` times. Otherwise `jax.lax.ragged_dot`'s dense expansion: one step
+  holds about an f32 [E, R, D] and [E, R, F] plus the forward's [E, R, D] in the activation dtype,
+  E times what the grouped kernel needs. E is all of n_routed_experts: exact without an `expert`
   mesh axis; with one, each device holds E / expert experts and this is an upper bound.
   """
   if not cfg.is_moe(layer):
     return 0.0
   a = jnp.dtype(cfg.dtype).itemsize
-  R = rows * cfg.experts_per_token
+  tokens = min(rows, cfg.moe_token_chunk) if cfg.moe_token_chunk else rows
+  R = tokens * cfg.experts_per_token
+  if grouped_kernel:
+    return MOE_GROUPED_COPIES * R * (cfg.d_model * (2 * a + 4) + cfg.moe_inter * (4 * a + 4))
   return cfg.n_routed_experts * R * (cfg.d_model * (4 * MOE_EXPANSION_F32_COPIES + a)
                                      + cfg.moe_inter * 4 * MOE_EXPANSION_F32_COPIES)
 
@@ -150,7 +165,7 @@ class MemoryEstimate:
 
 def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int, data_shards: int = 1,
                              context_shards: int = 1, param_shards: int = 1,
-                             param_count: int | None = None) -> MemoryEstimate:
+                             param_count: int | None = None, grouped_kernel: bool | None = None) -> MemoryEstimate:
   """Estimated bytes per device of one training step (see the module docstring).
 
   Args:
@@ -159,7 +174,11 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
     data_shards, context_shards: how the batch and the sequence are split over devices.
     param_shards: how many devices share each parameter (1 = replicated).
     param_count: total parameters, if already known (else counted on abstract shapes).
+    grouped_kernel: whether the MoE's grouped matmuls run the Hopper kernel (None: as they would here,
+      `grouped_matmul_kernel_applies`) or `ragged_dot`'s dense expansion.
   """
+  if grouped_kernel is None:
+    grouped_kernel = grouped_matmul_kernel_applies(cfg)
   if param_count is None:
     from hyscale_jax import models  # noqa: PLC0415 (models imports the layers; keep this module light)
     param_count = models.count_params(cfg)[0]
@@ -189,7 +208,8 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
       "one layer's transients": max(batch_size / data_shards * seq_len * key_width * a_bytes,
                                     LAYER_TRANSIENT_COPIES * rows * max(per_layer)),
       # One MoE layer's backward at a time; every remat policy runs it.
-      "MoE ragged_dot expansion": max(moe_expansion_bytes(cfg, i, rows) for i in range(cfg.n_layers)),
+      "MoE routed experts": max(moe_expert_bytes(cfg, i, rows, grouped_kernel=grouped_kernel)
+                                for i in range(cfg.n_layers)),
       "runtime reserve": RUNTIME_RESERVE_BYTES,
   }
   return MemoryEstimate({k: int(v) for k, v in components.items()})
@@ -265,4 +285,4 @@ def preflight(cfg: ModelConfig, *, batch_size: int, seq_len: int, mesh_shape: di
 
 
 __all__ = ["LAYER_TRANSIENT_COPIES", "LOGITS_COPIES", "MOE_EXPANSION_F32_COPIES", "MemoryEstimate",
-           "RUNTIME_RESERVE_BYTES", "moe_expansion_bytes", "device_memory_bytes", "device_peak_metrics", "estimate_training_memory", "preflight"]
+           "MOE_GROUPED_COPIES", "RUNTIME_RESERVE_BYTES", "grouped_matmul_kernel_applies", "moe_expert_bytes", "device_memory_bytes", "device_peak_metrics", "estimate_training_memory", "preflight"]
