@@ -10,6 +10,13 @@ from hyscale_jax import remat
 _DTYPES = ("float32", "bfloat16")
 
 
+# Fields that choose how a model runs (numerics, memory and speed knobs: same math), not what a
+# checkpoint holds; a checkpoint's config is compared with a run's on every other field.
+EXECUTION_FIELDS: frozenset[str] = frozenset({
+    "dtype", "param_dtype", "remat_policy", "indexer_loss_grad_in_forward", "attention_query_chunk",
+    "moe_token_chunk", "lm_loss_chunk", "scan_layers"})
+
+
 def index_share_full_layer(layer: int, freq: int, offset: int) -> bool:
   """IndexShare (GLM-5.2): layer i runs its own indexer iff max(i - offset + 1, 0) % freq == 0 (and layer 0)."""
   return max(layer - offset + 1, 0) % freq == 0 or layer == 0

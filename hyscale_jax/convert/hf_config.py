@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hyscale_jax.model_config import ModelConfig, index_share_full_layer
+from hyscale_jax.model_config import EXECUTION_FIELDS, ModelConfig, index_share_full_layer
 
 _V4_KINDS = {"sliding_attention": "swa", "compressed_sparse_attention": "csa",
              "heavily_compressed_attention": "hca"}
@@ -254,6 +254,5 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def architectural_fields(cfg: ModelConfig) -> dict[str, Any]:
-  """The fields a checkpoint fixes (everything but numerics and memory knobs), for comparisons."""
-  skip = {"dtype", "param_dtype", "remat_policy"}
-  return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
+  """The fields a checkpoint fixes (everything but `model_config.EXECUTION_FIELDS`), for comparisons."""
+  return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in EXECUTION_FIELDS}
