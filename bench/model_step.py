@@ -64,7 +64,10 @@ def run_one(model, seq, mode, args, workdir):
     cmd.append("--config.data.batch_size=2")
   _log(f"{model} {mode}: {' '.join(cmd[1:])}")
   t0 = time.perf_counter()
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")]))))
+  # The long rows need most of the GPU (JAX preallocates 75% unless told): as bench/layer_step.py asks.
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")])))
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
   row = dict(model=model, T=seq, mode=mode, wall_s=time.perf_counter() - t0, command=" ".join(cmd[1:]))
   if model == "glm2":
     row["experts"] = args.experts

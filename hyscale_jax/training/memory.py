@@ -41,8 +41,12 @@ from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.sharding import BATCH_AXES
 
 # One layer's intermediates alive at once in its backward pass: the recomputed forward and their
-# gradients. A prior (1 = the forward's set, 2 = each with its gradient), not yet fitted to a peak.
-LAYER_TRANSIENT_COPIES = 1.5
+# gradients (1 = the forward's set, 2 = each with its gradient). Fitted to the GLM-5.1 decoder layer's
+# compiled H200 peaks (`bench/layer_step.py --layers glm`, hyscale, bf16): with 1.0 the layer's terms
+# (parameters and gradients, input, saved attention and selection, one MoE token chunk, these
+# transients) give 57.4 / 80.6 / 111.6 GB at 16K / 64K / 128K against 58.3 / 71.6 / 96.0 measured;
+# the earlier prior of 1.5 gave 60.6 / 93.0 / 136.9.
+LAYER_TRANSIENT_COPIES = 1.0
 # [rows of one loss chunk, V] f32 buffers at the loss: the chunk's logits and their gradient.
 LOGITS_COPIES = 2.0
 # Bytes per (expert, dispatched row, D column) of the ragged_dot expansion live at once in an MoE
