@@ -246,12 +246,11 @@ def test_pallas_backend_lowers_for_cuda(m, k, n, transpose_rhs, monkeypatch, tmp
   assert not [r for r in rows if f"tensor<{g}x{r}x" in text]  # nothing [G, M, ...] in the HLO either
 
 
-@pytest.mark.parametrize("group_table", [True, False])
-def test_both_forward_kernels_lower_for_cuda(group_table, monkeypatch):
+def test_forward_kernel_lowers_for_cuda(monkeypatch):
   from pallas_kernels.grouped_matmul import grouped_matmul as kernels  # noqa: PLC0415
 
   monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
-  config = autotune.Config(block_n=64, grid_block_n=2, group_table=group_table)
+  config = autotune.Config(block_n=64, grid_block_n=2)
   args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 128), (5, 128, 192))]
   args.append(jax.ShapeDtypeStruct((5,), jnp.int32))
   mosaic = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("mosaic_gpu", "mosaic_gpu_v2")]
@@ -259,33 +258,6 @@ def test_both_forward_kernels_lower_for_cuda(group_table, monkeypatch):
                                platforms=["cuda"], disabled_checks=mosaic)(*args)
   assert "custom_call @mosaic_gpu" in exported.mlir_module()
   assert exported.out_avals[0].shape == (256, 192)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_tile_table_covers_each_groups_rows_once(seed):
-  """The table kernel's tile -> (group, block, first row, rows) map: every row of group g is stored
-  by exactly one tile of group g, rows past the groups by none, and no tile is spent on nothing."""
-  from pallas_kernels.grouped_matmul.ragged_dot_kernel import tile_table  # noqa: PLC0415
-
-  rng = np.random.default_rng(seed)
-  g, m, block_m = int(rng.integers(1, 24)), int(rng.integers(1, 900)), int(rng.choice([64, 128]))
-  sizes = rng.multinomial(int(rng.integers(0, m + 1)), rng.dirichlet(np.ones(g) * 0.3))
-  sizes[rng.integers(g)] = 0  # at least one empty group
-  sizes[0] += min(m - sizes.sum(), block_m)  # often a boundary on a tile edge
-  table = np.asarray(tile_table(jnp.asarray(sizes, jnp.int32), m, block_m))
-  assert table.shape == (4, -(-m // block_m) + g - 1)
-  owner = np.full(m, -1)
-  for group, block, first, rows in table.T:
-    assert 0 <= first and first + rows <= block_m
-    span = slice(block * block_m + first, block * block_m + first + rows)
-    assert (owner[span] == -1).all()
-    owner[span] = group
-  want = np.repeat(np.arange(g), sizes)
-  np.testing.assert_array_equal(owner[:len(want)], want)
-  assert (owner[len(want):] == -1).all()
-  # Tiles with rows: one per (group, row block it touches); JAX's kernel runs all of table.shape[1].
-  touched = sum(len({r // block_m for r in range(s0, s0 + n)}) for s0, n in zip(np.cumsum(sizes) - sizes, sizes))
-  assert (table[3] > 0).sum() == touched
 
 
 # ---- GPU only: the Pallas backend against the oracle ----
@@ -318,17 +290,15 @@ def test_pallas_pads_odd_widths_and_ignores_poisoned_rows():
 
 @pytest.mark.gpu_only
 @_ON_GPU
-@pytest.mark.parametrize("group_table", [True, False])
 @pytest.mark.parametrize("aligned", [True, False])
-def test_pallas_forward_kernels_with_many_groups(group_table, aligned):
-  """64 groups (boundaries on tile edges, or not, and empty ones): the table kernel and JAX's agree
-  with the oracle, both rhs layouts."""
+def test_pallas_forward_kernel_with_many_groups(aligned):
+  """64 groups (boundaries on tile edges, or not, and empty ones) agree with the oracle, both rhs layouts."""
   from pallas_kernels.grouped_matmul import grouped_matmul_pallas  # noqa: PLC0415
 
   rng = np.random.default_rng(3)
   sizes = [128] * 64 if aligned else list(rng.multinomial(64 * 128 - 50, np.ones(64) / 64))
   sizes[5] = 0
-  config = autotune.Config(group_table=group_table, grid_block_n=2)
+  config = autotune.Config(grid_block_n=2)
   for transpose_rhs in (False, True):
     lhs, rhs, gs, _ = _inputs(64 * 128, sizes, k=256, n=256, dtype=jnp.bfloat16, transpose_rhs=transpose_rhs)
     out = jax.jit(lambda a, b, s: grouped_matmul_pallas(a, b, s, transpose_rhs=transpose_rhs, config=config))(

@@ -45,9 +45,6 @@ class Config:
   block_k: int = 64
   max_concurrent_steps: int = 4
   grid_block_n: int = 1
-  # Forward/dx only: our variant of JAX's kernel with a precomputed tile table (ragged_dot_kernel.py);
-  # False runs JAX's `ragged_dot_mgpu` as shipped. The dW kernel is JAX's either way.
-  group_table: bool = True
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -58,8 +55,6 @@ class Config:
       raise ValueError(f"Config.max_concurrent_steps={self.max_concurrent_steps!r} must be in [1, 8].")
     if self.grid_block_n < 1 or self.grid_block_n & (self.grid_block_n - 1):
       raise ValueError(f"Config.grid_block_n={self.grid_block_n!r} must be a power of two.")
-    if not isinstance(self.group_table, bool):
-      raise ValueError(f"Config.group_table={self.group_table!r} must be a bool.")
 
   def smem_bytes(self, itemsize: int) -> int:
     """Shared memory of the input pipeline (the output tile reuses it after the K loop)."""
@@ -81,8 +76,7 @@ class Config:
 
   @classmethod
   def search_space(cls, kind: str, m: int, k: int, n: int, g: int, itemsize: int = 2) -> tuple["Config", ...]:
-    """At most 6 configs: the heuristic (forward/dx: also on JAX's kernel as shipped) and tiles of
-    64-128 rows x 64-256 columns, 4-6 stages, snake
+    """At most 6 configs: the heuristic and tiles of 64-128 rows x 64-256 columns, 4-6 stages, snake
     bands of 1-16 N tiles (how long a row block's lhs tile stays hot in L2 for wide outputs like dx).
 
     Kept only if the tiles divide N (and K for dW, see `heuristics`) and the pipeline plus the
@@ -91,8 +85,6 @@ class Config:
     """
     _check_kind(kind)
     found = [cls.heuristics(kind, m, k, n, g)]
-    if kind != "transposed":  # JAX's kernel as shipped, at the same tiles: the table's A/B anchor
-      found.append(dataclasses.replace(found[0], group_table=False))
     for block_m, block_n, steps, grid_block_n in (
         (128, 192, 4, 4), (64, 256, 4, 4), (128, 128, 6, 8), (128, 128, 4, 16), (64, 128, 6, 1), (128, 64, 6, 4)):
       if n % block_n or (kind == "transposed" and k % block_m):
@@ -188,7 +180,6 @@ def tune(configs: Sequence[Config], measure: Callable[[Config], float]) -> tuple
   best, best_s = None, float("inf")
   for config in configs:
     name = "{block_m}x{block_n}x{block_k}/s{max_concurrent_steps}/g{grid_block_n}".format(**dataclasses.asdict(config))
-    name += "" if config.group_table else "/jax"
     try:
       seconds = float(measure(config))
     except Exception as e:  # noqa: BLE001 - a config that fails to compile or overflows smem is skipped

@@ -2,8 +2,6 @@
 
 - `grouped_matmul_pallas`: `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot`, a persistent
   warpgroup-MMA kernel over (row block, N tile) pairs; `transpose_rhs` reads rhs as [G, N, K] (dx).
-  By default its variant in `ragged_dot_kernel.py`, which looks each tile's group up in a table
-  computed by XLA instead of a G-way unrolled loop, and skips tiles of no group (`Config.group_table`).
 - `transposed_grouped_matmul_pallas`: `transposed_ragged_dot_mgpu.transposed_ragged_dot`, per group
   `a_g^T @ b_g` into [G, P, Q] (dW), walking only each group's own rows.
 
@@ -108,10 +106,7 @@ def _config(kind, m, k, n, g, dtype, run, shapes):
 
 def _forward(lhs, rhs, group_sizes, config, transpose_rhs):
   """The kernel call on padded operands; out [M, N] with rows past the groups left unwritten."""
-  if config.group_table:
-    from pallas_kernels.grouped_matmul import ragged_dot_kernel as kernel  # noqa: PLC0415 - imports Mosaic GPU
-  else:
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as kernel  # noqa: PLC0415
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as kernel  # noqa: PLC0415 - imports Mosaic GPU
 
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
