@@ -126,6 +126,13 @@ def _check_divides(name: str, shape, spec: P, mesh) -> None:
                        f"mesh axes {names} of size {split} (spec {spec}); change config.mesh or config.mesh.rules.")
 
 
+def splitting_axes(mesh, names: tuple[str, ...], size: int) -> tuple[str, ...]:
+  """The axes among `names` that split a dimension of `size` under `mesh`: those present with size > 1,
+  when their product divides `size`; () otherwise (the dimension stays whole)."""
+  names = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
+  return names if names and size % math.prod(mesh.shape[a] for a in names) == 0 else ()
+
+
 def shard(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
   """Constrains activation `x` to logical `axes` under the ambient mesh and rules; else a no-op.
 
@@ -138,6 +145,5 @@ def shard(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
   spec = []
   for size, axes_ in zip(x.shape, logical_to_mesh(axes, rules)):
     names = () if axes_ is None else (axes_,) if isinstance(axes_, str) else tuple(axes_)
-    names = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
-    spec.append(names if names and size % math.prod(mesh.shape[a] for a in names) == 0 else None)
+    spec.append(splitting_axes(mesh, names, size) or None)
   return jax.lax.with_sharding_constraint(x, P(*spec))

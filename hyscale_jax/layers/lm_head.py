@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from hyscale_jax.sharding import BATCH_AXES, CONTEXT_AXIS
+from hyscale_jax.ops import _streaming as st
+from hyscale_jax.sharding import BATCH_AXES, CONTEXT_AXIS, splitting_axes
 
 # (head parameters, h [B, C, D]) -> logits [B, C, V] in any float dtype.
 Head = Callable[[Any, jax.Array], jax.Array]
@@ -67,19 +68,6 @@ def chunk_layout(T: int, chunk: int) -> tuple[int, int]:
   return n, math.ceil(T / n)
 
 
-def _to_chunks(x, n: int, rows: int):
-  """[B, T, ...] -> [n, B, rows, ...], consecutive positions per chunk (zero-padded at the end)."""
-  B, T = x.shape[:2]
-  x = jnp.pad(x, [(0, 0), (0, n * rows - T)] + [(0, 0)] * (x.ndim - 2))
-  return jnp.moveaxis(x.reshape(B, n, rows, *x.shape[2:]), 1, 0)
-
-
-def _from_chunks(x, T: int):
-  """The inverse of `_to_chunks`: [n, B, rows, ...] -> [B, T, ...]."""
-  n, B, rows = x.shape[:3]
-  return jnp.moveaxis(x, 0, 1).reshape(B, n * rows, *x.shape[3:])[:, :T]
-
-
 def chunked_lm_loss(head: Head, params, h: Float[Array, "B T D"], targets: Int[Array, "B T"],
                     loss_mask: Float[Array, "B T"], *, chunk: int) -> jax.Array:
   """`lm_loss(head(params, h), targets, loss_mask)` without the [B, T, V] logits: f32[].
@@ -110,8 +98,8 @@ def _local_loss(head, chunk, params, h, targets, mask, *, grads: bool, axes: tup
   """One device's rows: loss (and, with `grads`, f32 dparams and dh [B, T, D]), summed over `axes`."""
   psum = (lambda x: jax.lax.psum(x, axes)) if axes else (lambda x: x)
   count = jnp.maximum(psum(jnp.sum(mask)), 1.0)
-  n, rows = chunk_layout(h.shape[1], chunk)
-  chunks = tuple(_to_chunks(x, n, rows) for x in (h, targets, mask))
+  split, join = st.row_chunks(chunk_layout(h.shape[1], chunk)[1], h.shape[1])  # [B, T, ...] <-> [n, B, rows, ...]
+  chunks = tuple(split(x) for x in (h, targets, mask))
 
   def body(carry, chunk):
     total, dparams = carry
@@ -130,21 +118,19 @@ def _local_loss(head, chunk, params, h, targets, mask, *, grads: bool, axes: tup
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params) if grads else None
   (total, dparams), dh = jax.lax.scan(body, (jnp.float32(0), zeros), chunks)
   loss = psum(total) / count
-  return (loss, psum(dparams), _from_chunks(dh, h.shape[1])) if grads else loss
+  return (loss, psum(dparams), join(dh)) if grads else loss
 
 
 def _row_axes(shape) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
   """(ambient mesh, its batch axes, its context axis) that split [B, T] rows here; () where none do.
 
-  The batch splits over the BATCH_AXES present with size > 1 when their product divides B, the
-  sequence over `context` when it divides T, as `sharding.shard` places the activations.
+  The batch splits over BATCH_AXES and the sequence over `context` as `sharding.shard` places the
+  activations (`sharding.splitting_axes`).
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty or jax.sharding.AxisType.Manual in mesh.axis_types:
     return None, (), ()
-  split = lambda names, size: names if names and size % math.prod(mesh.shape[a] for a in names) == 0 else ()
-  present = lambda names: tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
-  return mesh, split(present(BATCH_AXES), shape[0]), split(present((CONTEXT_AXIS,)), shape[1])
+  return mesh, splitting_axes(mesh, BATCH_AXES, shape[0]), splitting_axes(mesh, (CONTEXT_AXIS,), shape[1])
 
 
 def _sharded_loss(head, chunk, params, h, targets, mask, *, grads: bool):
