@@ -240,16 +240,12 @@ class MoE(nnx.Module):
   def _local_experts(self, flat, expert_ids, weights, experts, grouped):
     """All experts on this device: (f32[N, D] the weighted sum of each token's k expert outputs, i32[E] copies per expert)."""
     N, K = expert_ids.shape
-    # Sort the N*K token copies by expert so each expert's rows are contiguous for the grouped matmul.
-    slot_ids = expert_ids.reshape(-1)  # [N*K]
-    order = jnp.argsort(slot_ids, stable=True)  # [N*K]
-    group_sizes = jnp.bincount(slot_ids, length=self.n_routed_experts).astype(jnp.int32)  # [E]
-    token = order // K  # [N*K], the token of each sorted copy
-    out = grouped(flat[token], group_sizes, *experts)  # [N*K, D] in the compute dtype
+    order, group_sizes, rows = expert_parallel.sort_by_expert(flat, expert_ids, self.n_routed_experts)
+    out = grouped(rows, group_sizes, *experts)  # [N*K, D] in the compute dtype
     # The combine adds each weighted copy into its token's row: no [N*K, D] copy in token order, and in
     # the backward one gather of dy per copy.
     weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]  # [N*K, D]
-    return jnp.zeros((N, out.shape[1]), jnp.float32).at[token].add(weighted), group_sizes
+    return jnp.zeros((N, out.shape[1]), jnp.float32).at[order // K].add(weighted), group_sizes
 
   def _grouped_swiglu(self, rows, group_sizes, w_gate, w_up, w_down, *, backend="auto"):
     """The experts' SwiGLU on expert-sorted rows [R, D] -> [R, D] in the compute dtype (rows past the groups give 0)."""

@@ -83,6 +83,27 @@ def expert_parallel(x, expert_ids, expert_weights: tuple, grouped_fn: Callable, 
   )(x, expert_ids, *expert_weights)
 
 
+def sort_by_expert(x, expert_ids, n_experts: int):
+  """Each token's K copies sorted by expert, so each expert's rows are contiguous for a grouped matmul.
+
+  Args:
+    x: [N, D] tokens; expert_ids: i32[N, K] the expert of each copy; n_experts: E.
+
+  Returns:
+    (order i32[N*K]: sorted copy j is copy order[j] of the flattened (token, k) slots, counts i32[E]
+    copies per expert, rows [N*K, D] = x[order // K]).
+  """
+  slots = expert_ids.reshape(-1)  # [N*K]
+  order = jnp.argsort(slots, stable=True)  # [N*K]
+  counts = jnp.bincount(slots, length=n_experts).astype(jnp.int32)  # [E]
+  return order, counts, x[order // expert_ids.shape[1]]
+
+
+def _unsort(sorted_rows, order, N: int, K: int):
+  """Rows [N*K, D] in sorted-copy order back to each token's copies: [N, K, D]."""
+  return jnp.zeros_like(sorted_rows).at[order].set(sorted_rows).reshape(N, K, -1)
+
+
 def _dispatch(x, ids, weights, grouped_fn, n: int, e_local: int):
   """One device's part: send copies to their experts' devices, run the local experts, bring back.
 
@@ -91,11 +112,8 @@ def _dispatch(x, ids, weights, grouped_fn, n: int, e_local: int):
   N, D = x.shape
   K = ids.shape[1]
   C = N * K  # local copies: the most one device can send to one other
-  slots = ids.reshape(-1)  # [C]
-  order = jnp.argsort(slots, stable=True)  # [C], copies sorted by global expert
-  counts = jnp.bincount(slots, length=n * e_local).astype(jnp.int32)  # [E]
-  rows = x[order // K]  # [C, D]
-  dest = slots[order] // e_local  # [C] owning device, non-decreasing
+  order, counts, rows = sort_by_expert(x, ids, n * e_local)  # [C], [E], [C, D] sorted by global expert
+  dest = ids.reshape(-1)[order] // e_local  # [C] owning device, non-decreasing
   send_counts = counts.reshape(n, e_local).sum(axis=1)  # [n]
   pos = jnp.arange(C) - (jnp.cumsum(send_counts) - send_counts)[dest]  # [C] row within its block
   send = jnp.zeros((n, C, D), x.dtype).at[dest, pos].set(rows)  # [n, C, D], block d goes to device d
@@ -111,7 +129,7 @@ def _dispatch(x, ids, weights, grouped_fn, n: int, e_local: int):
 
   back = jax.lax.all_to_all(out, EXPERT_AXIS, 0, 0, tiled=True)  # [n, C, D], block d from device d
   mine = back[dest, pos]  # [C, D] in sorted-copy order
-  return jnp.zeros_like(mine).at[order].set(mine).reshape(N, K, D), counts
+  return _unsort(mine, order, N, K), counts
 
 
 def _dispatch_ragged(x, ids, weights, grouped_fn, n: int, e_local: int):
@@ -122,10 +140,7 @@ def _dispatch_ragged(x, ids, weights, grouped_fn, n: int, e_local: int):
   N, D = x.shape
   K = ids.shape[1]
   C = N * K
-  slots = ids.reshape(-1)  # [C]
-  order = jnp.argsort(slots, stable=True)  # [C], copies sorted by global expert, so by owning device
-  counts = jnp.bincount(slots, length=n * e_local).astype(jnp.int32)  # [E]
-  rows = x[order // K]  # [C, D]
+  order, counts, rows = sort_by_expert(x, ids, n * e_local)  # sorted by global expert, so by owning device
   me = jax.lax.axis_index(EXPERT_AXIS)
   every = jax.lax.all_gather(counts, EXPERT_AXIS).reshape(n, n, e_local)  # [sender, owner, local expert]
   sent = every.sum(-1)  # [sender, receiver] rows
@@ -147,7 +162,7 @@ def _dispatch_ragged(x, ids, weights, grouped_fn, n: int, e_local: int):
   # Sender s gets its rows back where it sent them from: its send start for me.
   mine = _ragged_all_to_all(out, jnp.zeros((C, D), out.dtype), recv_starts, recv_sizes,
                             exclusive(sent, 1)[:, me], send_sizes, axis_name=EXPERT_AXIS)  # [C, D]
-  return jnp.zeros_like(mine).at[order].set(mine).reshape(N, K, D), counts
+  return _unsort(mine, order, N, K), counts
 
 
 # The exchange `_dispatch_ragged` uses; tests swap in an emulation to run it on CPU devices.
