@@ -13,8 +13,8 @@ config's remat policy, and each row times `jax.jit(step).trace(...).lower()` and
 trace + compile seconds: with `scan_layers` the deep step should cost at most 3x the shallow one.
 Budget on a 2-core CPU: scanned rows 5-25 s each; the unrolled 78-layer row about 2 min.
 
-Measured there (bench/results/compile_time.json): scanned 7.0 s at 4 layers, 24.2 s at 78 (3.4x;
-3.3x on an idle machine: 5.4 -> 17.6 s); unrolled 6.5 s -> 109 s (16.8x). What still grows with
+Measured there (bench/results/compile_time.json, the chunked LM loss as train.py runs it, idle
+machine): scanned 5.3 s at 4 layers, 17.6 s at 78 (3.30x); unrolled 4.5 s -> 92.0 s (20.5x). What still grows with
 depth is the per-layer gradient: each layer's parameters are their own arrays, so the stacked
 gradient out of the scan is sliced into one copy per (layer, parameter), and XLA:CPU compiles a
 kernel for each (with the gradient stopped at the stacking, 78 layers compile about 3x faster).
@@ -34,7 +34,6 @@ from flax import nnx
 from configs import glm5_1
 from hyscale_jax import models
 from hyscale_jax.model_config import ModelConfig
-from hyscale_jax.training import lm
 
 
 def _log(*args):
@@ -59,10 +58,10 @@ def step_time(cfg: ModelConfig, *, batch: int, seq: int, coeff: float) -> dict:
   inputs = dict(tokens=tokens, targets=tokens, positions=tokens, segment_ids=tokens,
                 loss_mask=jax.ShapeDtypeStruct((batch, seq), jnp.float32))
 
-  def objective(params, rest, batch):
-    out = nnx.merge(graphdef, params, rest)(batch["tokens"], positions=batch["positions"],
-                                            segment_ids=batch["segment_ids"])
-    return lm.lm_loss(out.logits, batch["targets"], batch["loss_mask"]) + coeff * out.aux["indexer_loss"]
+  def objective(params, rest, batch):  # the sparse stage's objective, with train.py's chunked LM loss
+    model = nnx.merge(graphdef, params, rest)
+    h, aux = model.hidden_states(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+    return model.lm_loss(h, batch["targets"], batch["loss_mask"]) + coeff * aux["indexer_loss"]
 
   step = jax.jit(jax.value_and_grad(objective))
   t0 = time.perf_counter()

@@ -27,7 +27,6 @@ from tqdm import tqdm
 
 from hyscale_jax import convert, models, parallel
 from hyscale_jax import sharding as shd
-from hyscale_jax.layers.lm_head import lm_loss  # noqa: F401 (the logits form, for callers that have logits)
 from hyscale_jax.layers.moe import MoE, update_router_bias
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.training import memory, step_modes
