@@ -27,6 +27,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -55,13 +56,15 @@ def run_one(model, seq, mode, args, workdir):
          "--config.data.source=pydoc", f"--config.data.cache_dir={args.data_dir}",
          f"--config.train.warmup_steps={warmup}", f"--config.train.steps={warmup + 2 * log_every}",
          f"--config.train.log_every={log_every}", f"--config.train.checkpoint_every={10 * log_every}",
-         "--config.train.progress_bar=false"]
+         "--config.train.progress_bar=false", "--verbosity=0"]  # INFO: the memory preflight's estimate
   if model != "tiny":
     cmd.append(f"--config.data.seq_len={seq}")
   if model == "glm2":
     cmd.append(f"--config.model.n_routed_experts={args.experts}")
   if args.smoke:
     cmd.append("--config.data.batch_size=2")
+  if args.no_preflight:
+    cmd.append("--config.train.memory_preflight=false")
   _log(f"{model} {mode}: {' '.join(cmd[1:])}")
   t0 = time.perf_counter()
   # The long rows need most of the GPU (JAX preallocates 75% unless told): as bench/layer_step.py asks.
@@ -71,6 +74,10 @@ def run_one(model, seq, mode, args, workdir):
   row = dict(model=model, T=seq, mode=mode, wall_s=time.perf_counter() - t0, command=" ".join(cmd[1:]))
   if model == "glm2":
     row["experts"] = args.experts
+  # train.py logs the memory preflight's estimate before compiling; the row sets it beside the peak.
+  estimate = re.search(r"memory preflight: about ([0-9.]+) GiB", proc.stderr + proc.stdout)
+  if estimate:
+    row["estimate_gb"] = float(estimate.group(1)) * 2**30 / 1e9
   if proc.returncode:
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     row["error"] = " | ".join(tail)
@@ -107,6 +114,8 @@ def main(argv=None):
   parser.add_argument("--log-every", type=int, default=10)
   parser.add_argument("--warmup-windows", type=int, default=0,
                       help="logging windows of the dense warm-up stage before the two sparse ones")
+  parser.add_argument("--no-preflight", action="store_true",
+                      help="run past the memory preflight (to find the largest T that fits)")
   parser.add_argument("--append", action="store_true", help="keep the rows already in --out")
   parser.add_argument("--data-dir", default=os.environ.get("HYSCALE_DATA_DIR", ".data"))
   parser.add_argument("--out", default="bench/results/model_step.json")
@@ -143,13 +152,14 @@ def main(argv=None):
           os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
           with open(args.out, "w") as f:
             json.dump(dict(date=datetime.date.today().isoformat(), rows=kept + rows), f, indent=1)
-  print("\n| model | T | mode | steps/s | tokens/s | speedup | peak GB |\n|---|---|---|---|---|---|---|")
+  print("\n| model | T | mode | steps/s | tokens/s | speedup | peak GB | estimate GB |\n|---|---|---|---|---|---|---|---|")
   for r in rows:
     if "error" in r:
-      print(f"| {r['model']} | {r['T']} | {r['mode']} | failed | | | |")
+      print(f"| {r['model']} | {r['T']} | {r['mode']} | failed | | | | {r.get('estimate_gb', float('nan')):.1f} |")
     else:
       print(f"| {r['model']} | {r['T']} | {r['mode']} | {r['steps_per_s']:.3f} | {r['tokens_per_s']:.0f} | "
-            f"{r.get('speedup', float('nan')):.2f} | {r.get('device_peak_gb', float('nan')):.1f} |")
+            f"{r.get('speedup', float('nan')):.2f} | {r.get('device_peak_gb', float('nan')):.1f} | "
+            f"{r.get('estimate_gb', float('nan')):.1f} |")
   return rows
 
 
