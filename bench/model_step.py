@@ -55,7 +55,7 @@ def run_one(model, seq, mode, args, workdir):
   cmd = [sys.executable, "train.py", *_MODELS[model], f"--workdir={workdir}", f"--config.step_mode={mode}",
          "--config.data.source=pydoc", f"--config.data.cache_dir={args.data_dir}",
          f"--config.train.warmup_steps={warmup}", f"--config.train.steps={warmup + 2 * log_every}",
-         f"--config.train.log_every={log_every}", f"--config.train.checkpoint_every={10 * log_every}",
+         f"--config.train.log_every={log_every}", "--config.train.checkpoint_every=0",
          "--config.train.progress_bar=false", "--verbosity=0"]  # INFO: the memory preflight's estimate
   if model != "tiny":
     cmd.append(f"--config.data.seq_len={seq}")

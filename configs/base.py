@@ -75,7 +75,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.steps = 100
   # Log metrics every this many steps.
   config.train.log_every = 10
-  # Save a checkpoint every this many steps (and at the end).
+  # Save a checkpoint every this many steps (and at the end); 0 saves none.
   config.train.checkpoint_every = 50
   # Show a progress bar on stderr (on an interactive terminal; plain log lines otherwise).
   config.train.progress_bar = True

@@ -306,6 +306,21 @@ def test_sparse_variants_match_reference(variant):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+def test_xla_baseline_dense_form_is_the_reference():
+  """`megatron_style` runs the dense warm-up too: xla_baseline's dense form is the streamed reference."""
+  rng = np.random.default_rng(4)
+  B, T, S, HI, DI, H, G, Dk = 1, 10, 10, 2, 8, 4, 2, 8
+  (iq, ik, iw, aq, ak), scale = _make_inputs(rng, B, T, S, HI, DI, H, G, Dk, True)
+  f = lambda backend: lambda q, k, w: indexer_loss(q, k, w, aq, ak, None, None, attn_scale=scale,
+                                                   index_scale=_INDEX_SCALE, backend=backend)
+  want = jax.value_and_grad(f("reference"), argnums=(0, 1, 2))(iq, ik, iw)
+  got = jax.value_and_grad(f("xla_baseline"), argnums=(0, 1, 2))(iq, ik, iw)
+  assert float(want[0]) > 0
+  np.testing.assert_array_equal(got[0], want[0])
+  for g, w in zip(got[1], want[1]):
+    np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("context", [1, 4])
 def test_with_row_count_returns_the_rows_with_a_support(context):
   """`with_row_count=True`: the same loss, and the rows counted (non-empty support), summed over a

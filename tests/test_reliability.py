@@ -10,6 +10,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -167,3 +168,14 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, kill_when):
   subprocess.run(_cli(killed, 8, tmp_path), cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
   final_ref, final_killed = _losses(reference), _losses(killed)
   assert final_killed[8] == final_ref[8] and final_killed[6] == final_ref[6]
+
+
+def test_checkpoint_every_zero_saves_nothing(tmp_path):
+  """`train.checkpoint_every=0` (benchmarks): no save on the interval, nor the forced one at the end."""
+  checkpointer = Checkpointer(str(tmp_path / "ckpt"), every_steps=0)
+  state = {"w": jnp.arange(4.0)}
+  assert not any(checkpointer.maybe_save(step, state, {"step": step}, force=step == 3) for step in (1, 2, 3))
+  assert checkpointer.restore_latest(state) is None
+  checkpointer.close()
+  with pytest.raises(ValueError, match="checkpoint_every"):
+    lm.setup(_config(tmp_path, 4, checkpoint_every=-1))

@@ -22,7 +22,10 @@ class CheckpointError(RuntimeError):
 
 
 class Checkpointer:
-  """Saves (state, metadata) every `every_steps` under `directory` and restores the newest readable one."""
+  """Saves (state, metadata) every `every_steps` under `directory` and restores the newest readable one.
+
+  `every_steps=0` saves nothing, not even at the end (benchmarks, throwaway runs).
+  """
 
   def __init__(self, directory: str, *, every_steps: int, max_to_keep: int = 3):
     self.directory = os.path.abspath(directory)
@@ -37,13 +40,13 @@ class Checkpointer:
                                              enable_async_checkpointing=False))
 
   def maybe_save(self, step: int, state: Any, metadata: dict, *, force: bool = False) -> bool:
-    """Saves when `step` is on the interval (or `force`); returns whether it saved.
+    """Saves when `step` is on the interval (or `force`); returns whether it saved (never if every_steps is 0).
 
     Raises:
       CheckpointError: the save failed (disk full, unwritable directory, ...); the previous
         checkpoint is untouched.
     """
-    if not (force or step % self.every_steps == 0) or step == self._manager.latest_step():
+    if not self.every_steps or not (force or step % self.every_steps == 0) or step == self._manager.latest_step():
       return False
     try:
       self._manager.save(

@@ -88,7 +88,7 @@ def _model_config(config) -> ModelConfig:
     raise ValueError(f"train.nonfinite={config.train.nonfinite!r} must be 'skip' or 'stop'.")
   for name in ("steps", "warmup_steps", "log_every", "checkpoint_every"):
     value = config.train[name]
-    least = 0 if name == "warmup_steps" else 1
+    least = 0 if name in ("warmup_steps", "checkpoint_every") else 1
     if not isinstance(value, int) or value < least:
       raise ValueError(f"train.{name}={value!r} must be an int >= {least}.")
   return cfg

@@ -46,16 +46,18 @@ def _xla_baseline(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, ind
   [rows, HI, S] f32 intermediate, like `flash_topk`'s `xla_baseline`), and the closed-form gradient
   is pulled back through those dense rows. The forward pass and the teacher are ours (the Pallas
   teacher on GPU), so only the rescoring differs; Megatron's dense [H, T, T] teacher would cost more.
+  The dense warm-up form (`indices=None`) is the reference's streamed one, so the step modes'
+  warm-up stages differ only in what they share with the sparse stage (never a [T, T] table).
   """
+  kwargs.pop("grad_in_forward", None)
   if indices is None:
-    raise NotImplementedError("indexer_loss: xla_baseline covers the sparse form (indices given).")
+    return indexer_loss_reference(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, None, **kwargs)
   B, _, HI, _ = index_q.shape
   rows = max(1, min(index_q.shape[1], bytes_budget // (4 * B * HI * index_k.shape[1])))
   teacher = {}
   if platform() == "gpu" and "pallas" in REGISTRY.implementations:
     from pallas_kernels.sparse_attention import attention_teacher_pallas  # noqa: PLC0415
     teacher = dict(teacher_mass=attention_teacher_pallas)
-  kwargs.pop("grad_in_forward", None)
   return indexer_loss_reference(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices,
                                 query_chunk=rows, rescore=True, **teacher, **kwargs)
 
@@ -129,7 +131,7 @@ def indexer_loss(
       the caller masks tokens of other documents with -1, as `layers.qsa.expand_blocks` does.
     key_pool: "sum" or "max": how the block form pools its attention keys' teacher masses.
     backend: "auto", "pallas" (sparse form only: the teacher from a Pallas kernel), "reference", or
-      "xla_baseline" (sparse form only: the Megatron-style backward that rescores every key).
+      "xla_baseline" (the Megatron-style backward that rescores every key; the dense form is the reference's).
 
   Returns:
     f32[] the loss, or (loss, i32[] rows counted) with `with_row_count`.
