@@ -124,7 +124,7 @@ def run_case(case: dict, data_dir: str, force: bool) -> dict:
   available = memory.device_memory_bytes()
   result = dict(device=str(device.device_kind), platform=device.platform, estimate_bytes=estimate.total,
                 estimate_terms=estimate.components, device_bytes=available,
-                copies=dict(layer_transient=memory.LAYER_TRANSIENT_COPIES, logits=memory.LOGITS_COPIES,
+                copies=dict(layer_transient=memory.LAYER_TRANSIENT_COPIES[cfg.remat_policy], logits=memory.LOGITS_COPIES,
                             moe_expansion_f32=memory.MOE_EXPANSION_F32_COPIES, moe_grouped=memory.MOE_GROUPED_COPIES,
                             runtime_reserve=memory.RUNTIME_RESERVE_BYTES))
   if available and estimate.total > 1.15 * available and not force:

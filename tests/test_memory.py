@@ -148,3 +148,25 @@ def test_grouped_kernel_moe_term_is_one_token_chunk_without_the_expert_factor():
   assert memory.estimate_training_memory(unchunked, batch_size=1, seq_len=131072, param_count=10**9,
                                          grouped_kernel=True).components["MoE routed experts"] == 8 * grouped
   assert not memory.grouped_matmul_kernel_applies(cfg)  # CPU: the op runs ragged_dot
+
+
+# Whole-model peaks of train.py on an H200 (bench/results/model_step.json, 2026-12-04): GLM-5.1 at
+# real width, 2 layers (1 dense + 1 MoE of 64 routed experts), bf16 parameters, vocab 32768, AdamW.
+_GLM2_H200_PEAKS_GB = {("megatron_style", 65536): 75.5, ("megatron_style", 131072): 123.2,
+                       ("hyscale", 65536): 58.7, ("hyscale", 131072): 87.2, ("hyscale", 262144): 113.0}
+
+
+@pytest.mark.parametrize("mode, seq_len", list(_GLM2_H200_PEAKS_GB))
+def test_estimate_is_within_25_percent_of_the_whole_model_h200_peak(mode, seq_len):
+  """The preflight on train.py's GLM-5.1 2-layer model, both remat policies, 64K-256K (query chunked)."""
+  from hyscale_jax.training import step_modes  # noqa: PLC0415
+
+  config = glm5_1.get_config("full")
+  config.model.update(n_layers=2, first_k_dense=1, vocab_size=32768, n_routed_experts=64, dtype="bfloat16",
+                      param_dtype="bfloat16")
+  config.data.update(vocab_size=32768, batch_size=1, seq_len=seq_len)
+  config.step_mode = mode
+  config = step_modes.apply(config)
+  cfg, mesh = lm.setup(config)
+  estimate = memory.estimate_training_memory(cfg, batch_size=1, seq_len=seq_len, grouped_kernel=True)
+  assert abs(estimate.total / (_GLM2_H200_PEAKS_GB[mode, seq_len] * 1e9) - 1) < 0.25, estimate.describe()

@@ -40,13 +40,15 @@ from hyscale_jax.layers.lm_head import chunk_layout
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.sharding import BATCH_AXES
 
-# One layer's intermediates alive at once in its backward pass: the recomputed forward and their
-# gradients (1 = the forward's set, 2 = each with its gradient). Fitted to the GLM-5.1 decoder layer's
-# compiled H200 peaks (`bench/layer_step.py --layers glm`, hyscale, bf16): with 1.0 the layer's terms
-# (parameters and gradients, input, saved attention and selection, one MoE token chunk, these
-# transients) give 57.4 / 80.6 / 111.6 GB at 16K / 64K / 128K against 58.3 / 71.6 / 96.0 measured;
-# the earlier prior of 1.5 gave 60.6 / 93.0 / 136.9.
-LAYER_TRANSIENT_COPIES = 1.0
+# One layer's intermediates alive at once in its backward pass (1 = the forward's set), by remat policy.
+# Under "full" the backward reruns the whole layer (selection included) and holds those intermediates
+# with their gradients; under "selection_replay" it reuses the saved selection and attention out/lse
+# (their own term), so less of the layer is live again. Fitted to whole-model H200 peaks of train.py
+# (`bench/model_step.py --models glm2`: GLM-5.1 2 layers at real width, 64 experts, bf16; 2026-12-04):
+# "full" (megatron_style) 75.5 / 123.2 GB measured at 64K / 128K, estimated 78.5 / 118.8;
+# "selection_replay" (hyscale) 58.7 / 87.2 / 113.0 GB at 64K / 128K / 256K, estimated 64.7 / 91.2 / 109.7.
+# "none" saves every intermediate (its own term); 1.0 there is a prior, not a fit.
+LAYER_TRANSIENT_COPIES = {"full": 1.4, "selection_replay": 0.55, "none": 1.0}
 # [rows of one loss chunk, V] f32 buffers at the loss: the chunk's logits and their gradient.
 LOGITS_COPIES = 2.0
 # Bytes per (expert, dispatched row, D column) of the ragged_dot expansion live at once in an MoE
@@ -210,7 +212,7 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
       "logits": (LOGITS_COPIES * batch_size / data_shards * chunk_rows * cfg.vocab_size * 4
                  + (4 - p_bytes) * cfg.d_model * cfg.vocab_size),
       "one layer's transients": max(batch_size / data_shards * seq_len * key_width * a_bytes,
-                                    LAYER_TRANSIENT_COPIES * rows * max(per_layer)),
+                                    LAYER_TRANSIENT_COPIES[cfg.remat_policy] * rows * max(per_layer)),
       # One MoE layer's backward at a time; every remat policy runs it.
       "MoE routed experts": max(moe_expert_bytes(cfg, i, rows, grouped_kernel=grouped_kernel)
                                 for i in range(cfg.n_layers)),
