@@ -34,6 +34,7 @@ from flax import nnx
 from configs import glm5_1
 from hyscale_jax import models
 from hyscale_jax.model_config import ModelConfig
+from hyscale_jax.training import layer_stacks
 
 
 def _log(*args):
@@ -53,13 +54,17 @@ def model_config(n_layers: int, *, scan: bool, index_topk_freq: int | None = Non
 
 def step_time(cfg: ModelConfig, *, batch: int, seq: int, coeff: float) -> dict:
   """Seconds to trace + lower and to compile value_and_grad of the objective, on abstract inputs."""
-  graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: models.build(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+  model = nnx.eval_shape(lambda: models.build(cfg, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  # As train.py keeps them: each scanned group of layers stacked (training/layer_stacks.py).
+  groups = model.scanned_layer_groups()
+  params = layer_stacks.stacked(params, groups)
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   inputs = dict(tokens=tokens, targets=tokens, positions=tokens, segment_ids=tokens,
                 loss_mask=jax.ShapeDtypeStruct((batch, seq), jnp.float32))
 
   def objective(params, rest, batch):  # the sparse stage's objective, with train.py's chunked LM loss
-    model = nnx.merge(graphdef, params, rest)
+    model = nnx.merge(graphdef, layer_stacks.per_layer(params, groups), rest)
     h, aux = model.hidden_states(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
     return model.lm_loss(h, batch["targets"], batch["loss_mask"]) + coeff * aux["indexer_loss"]
 

@@ -251,11 +251,15 @@ def test_train_starts_from_imported_weights(tmp_path):
   with ocp.StandardCheckpointer() as checkpointer:
     saved = checkpointer.restore(str(tmp_path / "run" / "checkpoints" / "1" / "state"))["params"]
   expected = nnx.to_pure_dict(nnx.state(source, nnx.Param))
-  saved_moe, expected_moe = saved["layers"]["1"]["mlp"], expected["layers"][1]["mlp"]
+  # train.py stores each scanned group of layers stacked (training/layer_stacks.py): layer 1 is row r
+  # of its group's stack.
+  (group, row), = [(g, r) for g, layers in enumerate(source.scanned_layer_groups()) for r, i in enumerate(layers)
+                   if i == 1]
+  saved_moe, expected_moe = saved["layer_stacks"][str(group)]["mlp"], expected["layers"][1]["mlp"]
   for name in ("experts_up_proj", "gate"):  # orbax keeps each NNX variable as {"value": array}
     saved_leaf = saved_moe[name]["value"] if name.startswith("experts") else saved_moe[name]["kernel"]["value"]
     expected_leaf = expected_moe[name] if name.startswith("experts") else expected_moe[name]["kernel"]
-    assert np.array_equal(saved_leaf, np.asarray(expected_leaf)), name
+    assert np.array_equal(saved_leaf[row], np.asarray(expected_leaf)), name
 
 
 def test_init_from_refuses_a_different_model(tmp_path):

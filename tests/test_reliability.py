@@ -179,3 +179,30 @@ def test_checkpoint_every_zero_saves_nothing(tmp_path):
   checkpointer.close()
   with pytest.raises(ValueError, match="checkpoint_every"):
     lm.setup(_config(tmp_path, 4, checkpoint_every=-1))
+
+
+def test_checkpoint_with_every_layer_apart_resumes_stacked(tmp_path):
+  """A checkpoint from before the scanned layers were stored stacked (every layer its own arrays)
+  resumes into the stacked layout and continues exactly as a run that never stopped."""
+  from hyscale_jax.training import layer_stacks  # noqa: PLC0415
+
+  def config(**train):
+    config = _config(tmp_path, 4, checkpoint_every=2, **train)
+    config.model.n_layers = 4  # layers 1-3 (MoE) are one scanned group
+    return config
+
+  lm.train_and_evaluate(config(), str(tmp_path / "straight"))
+  lm.train_and_evaluate(config(stop_at_step=2), str(tmp_path / "old"))
+  cfg, mesh = lm.setup(config())
+  with jax.set_mesh(mesh):
+    training = lm.build_training(config(), cfg, mesh, {})
+  assert training.layer_groups, "the tiny model must have a scanned group for this test"
+  saved = Checkpointer(str(tmp_path / "old" / "checkpoints"), every_steps=2)
+  step, state, meta = saved.restore_latest(training.state)
+  saved.close()
+  legacy = Checkpointer(str(tmp_path / "legacy" / "checkpoints"), every_steps=2)
+  legacy.maybe_save(step, layer_stacks.per_layer(state, training.layer_groups), meta)
+  legacy.close()
+  (tmp_path / "legacy" / "metrics.jsonl").write_text((tmp_path / "old" / "metrics.jsonl").read_text())
+  lm.train_and_evaluate(config(), str(tmp_path / "legacy"))
+  assert _losses(tmp_path / "legacy") == _losses(tmp_path / "straight")

@@ -126,3 +126,51 @@ def test_dense_warm_up_scans_without_indices():
     grads.append(jax.jit(jax.grad(lambda p: _objective(_GLM, graphdef, rest, dense=True)(p)[0]))(params))
   for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_stored_layer_stacks_round_trip_and_cost_xla_no_slices():
+  """train.py stores each scanned group stacked (training/layer_stacks.py): per_layer(stacked(p)) is p,
+  the groups follow the decoder's scan (IndexShare's period 2 here), the AdamW moments take the same
+  layout, and the gradient through per_layer and the decoder's restacking compiles without a slice
+  or a concatenation (XLA folds them), so the stored stack's gradient is the scan's."""
+  import optax  # noqa: PLC0415
+
+  from hyscale_jax.training import layer_stacks  # noqa: PLC0415
+
+  model = models.build(_GLM, rngs=nnx.Rngs(0))
+  groups = model.scanned_layer_groups()
+  assert groups == [[1, 3, 5], [2, 4, 6]], (groups, model.layer_runs())  # [full, shared] x 3 after layer 0
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  stacked = layer_stacks.stacked(params, groups)
+  assert sorted(stacked["layers"]) == [0, 7] and sorted(stacked[layer_stacks.STACKS]) == [0, 1]
+  kernel = stacked[layer_stacks.STACKS][0]["mlp"]["experts_up_proj"]
+  per = params["layers"][3]["mlp"]["experts_up_proj"]
+  assert kernel[...].shape == (3, *per[...].shape)
+  assert kernel.get_metadata()["out_sharding"] == (None, *per.get_metadata()["out_sharding"])
+  back = layer_stacks.per_layer(stacked, groups)
+  assert jax.tree.structure(back) == jax.tree.structure(params)
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), back, params))
+  moments = optax.adamw(1e-3).init(stacked)
+  assert jax.tree.structure(layer_stacks.stacked(layer_stacks.per_layer(moments, groups), groups)) == \
+      jax.tree.structure(moments)
+
+  tokens = jnp.arange(16, dtype=jnp.int32).reshape(1, 16) % _GLM.vocab_size
+
+  def loss(layout, p):
+    model = nnx.merge(graphdef, layout(p), rest)
+    h, aux = model.hidden_states(tokens)
+    return model.lm_loss(h, tokens, jnp.ones(tokens.shape, jnp.float32)) + aux["indexer_loss"]
+
+  want_loss, want = jax.jit(jax.value_and_grad(lambda p: loss(lambda q: q, p)))(params)
+  step = jax.jit(jax.value_and_grad(lambda p: loss(lambda q: layer_stacks.per_layer(q, groups), p)))
+  got_loss, got = step(stacked)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+  got = layer_stacks.per_layer(got, groups)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got, want)
+  # Per layer, the backward slices each stacked gradient into one array per (layer, leaf); stored
+  # stacked, those slices (and the forward's concatenations) are gone.
+  copies = lambda hlo: hlo.count(" slice(") + hlo.count(" concatenate(")
+  stored = copies(step.lower(stacked).compile().as_text())
+  apart = copies(jax.jit(jax.value_and_grad(lambda p: loss(lambda q: q, p))).lower(params).compile().as_text())
+  stacked_leaves = sum(len(group) * len(jax.tree.leaves(params["layers"][group[0]])) for group in groups)
+  assert stored <= apart - stacked_leaves, (stored, apart, stacked_leaves)

@@ -147,6 +147,36 @@ class Decoder(nnx.Module):
         cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs, param_dtype=pdtype,
         kernel_metadata=shd.param(shd.EMBED, shd.VOCAB))
 
+  def layer_runs(self, graphs=None) -> list[tuple[int, int, int, int]]:
+    """How `_run_layers` walks the layers: (start, period, repeats, direct) per run, in order.
+
+    The first `direct` repeats of a run's block are called one by one; the rest go through one
+    `jax.lax.scan` (none when fewer than two remain). Called directly: a lone block, and the first
+    block that makes `indices` when none came in (the scan's carry must keep one structure).
+    `graphs`: `nnx.split` of each layer, if already at hand.
+    """
+    layers = list(self.layers)
+    graphs = graphs or [nnx.split(layer) for layer in layers]
+    if self.cfg.scan_layers:
+      runs = periodic_runs([_structure(*graph) for graph in graphs])
+    else:
+      runs = [(i, 1, 1) for i in range(len(layers))]
+    plan, have_indices = [], False
+    for start, period, repeats in runs:
+      owns_indexer = any(layer.self_attn.indexer is not None for layer in layers[start:start + period])
+      direct = 1 if not have_indices and owns_indexer else 0
+      direct = repeats if repeats - direct < 2 else direct
+      plan.append((start, period, repeats, direct))
+      have_indices = have_indices or owns_indexer
+    return plan
+
+  def scanned_layer_groups(self) -> list[list[int]]:
+    """Layer indices that `_run_layers` stacks for one scan: per scanned run, one list per block
+    position (the layers at that position in the scanned repeats, in order)."""
+    return [[start + (r * period) + j for r in range(direct, repeats)]
+            for start, period, repeats, direct in self.layer_runs() if repeats > direct
+            for j in range(period)]
+
   def _run_layers(self, x, positions, segment_ids, activation_axes, *, dense, backends):
     """The layer stack: x [B, T, D] (or streams [B, T, N, D]) -> (x, indexer losses, expert loads).
 
@@ -158,11 +188,12 @@ class Decoder(nnx.Module):
     (e.g. GLM's MoE layers, or [full, shared, shared, shared] under IndexShare with freq 4) goes
     through one `jax.lax.scan` over the repeats, so tracing and compiling cost one block, not one
     per layer; `indices` is in the scan's carry. The module tree stays one module per layer (the
-    layout of checkpoints, the HF converter, sharding rules and `model.layers[i]`): the scan stacks
-    the run's layer states here, inside the step. That costs a transient stacked copy of the run's
-    parameters and, in the backward pass, of their gradients (sliced back per layer), both in the
-    parameter dtype and sharded like the parameters; storing the parameters stacked would avoid
-    it, but would change the checkpoint layout that every per-layer consumer reads.
+    layout of the native and HF formats, sharding rules and `model.layers[i]`): the scan stacks
+    the run's layer states here, inside the step. Called with per-layer parameters (a notebook, the
+    converter) that is a transient stacked copy of the run's parameters and, in the backward pass,
+    of their gradients, sliced back per layer. train.py stores each group of
+    `scanned_layer_groups()` stacked instead (training/layer_stacks.py): the stacking here then
+    folds into the stored arrays, and neither copy nor slices remain.
     """
     policy = self.cfg.remat_policy
     def run_layer(graphdef, state, x, positions, segment_ids, shared_indices):
@@ -190,19 +221,11 @@ class Decoder(nnx.Module):
 
     layers = list(self.layers)
     graphs = [nnx.split(layer) for layer in layers]
-    if self.cfg.scan_layers:
-      runs = periodic_runs([_structure(*graph) for graph in graphs])
-    else:
-      runs = [(i, 1, 1) for i in range(len(layers))]
     indices, indexer_losses, loads = None, [], []
-    for start, period, repeats in runs:
+    for start, period, repeats, direct in self.layer_runs(graphs):
       graphdefs = [graphdef for graphdef, _ in graphs[start:start + period]]
       owns_indexer = [layer.self_attn.indexer is not None for layer in layers[start:start + period]]
       states = [state for _, state in graphs[start:start + period * repeats]]
-      # Called directly: a lone block, and the first block that makes `indices` when none came in
-      # (the scan's carry must keep one structure).
-      direct = 1 if indices is None and any(owns_indexer) else 0
-      direct = repeats if repeats - direct < 2 else direct
       for r in range(direct):
         x, indices, block_losses, block_loads = run_block(graphdefs, owns_indexer, x, indices,
                                                           states[r * period:(r + 1) * period])

@@ -29,8 +29,8 @@ from hyscale_jax import convert, models, parallel
 from hyscale_jax import sharding as shd
 from hyscale_jax.layers.moe import MoE, update_router_bias
 from hyscale_jax.model_config import ModelConfig
-from hyscale_jax.training import memory, step_modes
-from hyscale_jax.training.checkpoints import Checkpointer
+from hyscale_jax.training import layer_stacks, memory, step_modes
+from hyscale_jax.training.checkpoints import CheckpointError, Checkpointer
 from hyscale_jax.training.metrics import MetricWriter
 from hyscale_jax.training.text_data import PackedTextDataset
 
@@ -158,7 +158,7 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
   training = build_training(config, cfg, mesh, rules)
   state, train_step, evaluate, objective = training.state, training.train_step, training.evaluate, training.objective
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=train.checkpoint_every)
-  restored = checkpointer.restore_latest(state)
+  restored = _restore(checkpointer, state, training.layer_groups)
   start = 0
   if restored is not None:
     start, state, _ = restored
@@ -218,6 +218,27 @@ class Training(NamedTuple):
   objective: Callable  # (params, rest, batch, dense) -> (total, (lm, aux)); not jitted
   main_lr: Callable
   indexer_lr: Callable
+  # `Decoder.scanned_layer_groups()`: the layers stored stacked in state (layer_stacks.py).
+  layer_groups: list = []
+
+
+def _restore(checkpointer: Checkpointer, state: dict, groups) -> tuple[int, dict, dict] | None:
+  """The newest checkpoint into `state`'s layout; one written with every layer apart (before the
+  scanned groups were stored stacked) is read in that layout and stacked."""
+  try:
+    return checkpointer.restore_latest(state)
+  except CheckpointError as error:
+    if not groups:
+      raise
+    try:
+      restored = checkpointer.restore_latest(layer_stacks.per_layer(jax.eval_shape(lambda: state), groups))
+    except CheckpointError:
+      raise error from None
+    step, per_layer, meta = restored
+    logging.warning("checkpoint step %d has every layer apart; stacking the scanned layers", step)
+    # Only the parameters and their AdamW moments are stored stacked; `rest` stays per layer.
+    restacked = dict(per_layer, **{key: layer_stacks.stacked(per_layer[key], groups) for key in ("params", "opt_state")})
+    return step, jax.device_put(restacked, jax.tree.map(lambda x: x.sharding, state)), meta
 
 
 def build_training(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh, rules) -> Training:
@@ -231,6 +252,9 @@ def build_training(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh, ru
   else:
     model = models.build(cfg, rngs=nnx.Rngs(config.train.seed))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  # Each scanned group of layers is stored stacked, and so are its AdamW moments (layer_stacks.py).
+  groups = model.scanned_layer_groups()
+  params = layer_stacks.stacked(params, groups)
   tx, main_lr, indexer_lr = make_optimizer(config, params)
   state = {"params": params, "rest": rest, "opt_state": tx.init(params), "skipped_steps": jnp.int32(0)}
   # Parameters and the AdamW moments (which carry the parameters' logical axes) are split by the
@@ -239,7 +263,7 @@ def build_training(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh, ru
   state = jax.device_put(state, state_shardings)
 
   def forward(params, rest, batch, dense):
-    model = nnx.merge(graphdef, params, rest)
+    model = nnx.merge(graphdef, layer_stacks.per_layer(params, groups), rest)
     h, aux = model.hidden_states(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
                                  dense=dense, backends=config.ops)
     # Chunked over the sequence (model.lm_loss_chunk): no [B, T, V] logits, forward or backward.
@@ -260,7 +284,7 @@ def build_training(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh, ru
     params = optax.apply_updates(state["params"], updates)
     rest = state["rest"]
     if not dense and "expert_load" in aux:
-      model = nnx.merge(graphdef, params, rest)
+      model = nnx.merge(graphdef, layer_stacks.per_layer(params, groups), rest)
       moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
       for moe, load in zip(moes, aux["expert_load"]):
         update_router_bias(moe, load, config.optim.router_bias_rate)
@@ -278,7 +302,7 @@ def build_training(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh, ru
   def evaluate(params, rest, batch, dense):
     return forward(params, rest, batch, dense)[0]
 
-  return Training(state, state_shardings, train_step, evaluate, objective, main_lr, indexer_lr)
+  return Training(state, state_shardings, train_step, evaluate, objective, main_lr, indexer_lr, groups)
 
 
 def _handle_nonfinite(policy, step, metrics, grads, skipped, checkpointer):
