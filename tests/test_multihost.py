@@ -28,9 +28,9 @@ _MODEL = dict(
     d_model=32, n_layers=2, first_k_dense=1, dense_inter=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16,
     qk_nope_dim=8, qk_rope_dim=8, v_head_dim=16, n_routed_experts=4, experts_per_token=2, moe_inter=16,
     index_n_heads=2, index_head_dim=16, index_rope_dim=8, index_topk=8, vocab_size=512)
-_DATA = dict(source="pydoc", vocab_size=512, seq_len=64, batch_size=4)
-_TRAIN = dict(steps=3, warmup_steps=1, log_every=1, checkpoint_every=2, progress_bar=False)
-_HEARTBEAT_S = 10
+_DATA = dict(source="pydoc", vocab_size=512, seq_len=32, batch_size=2)
+_TRAIN = dict(steps=2, warmup_steps=0, log_every=1, checkpoint_every=1, progress_bar=False)
+_HEARTBEAT_S = 5
 
 
 def _fields(tmp_path, mesh, **train):
@@ -69,17 +69,47 @@ def _assert_close(got, want):
 
 
 def test_two_processes_match_one_and_their_checkpoint_resumes_in_one(tmp_path):
-  # 1 x 8 devices straight to step 3; 2 x 4 to step 2 (saving it); then 1 x 8 resumes that checkpoint to 3.
+  # 1 x 8 devices straight to step 2; 2 x 4 to step 1 (saving it); then 1 x 8 resumes that checkpoint to 2.
   mesh = dict(data=2, context=-1)  # data spans the two processes, context (4) stays inside each
   lm.train_and_evaluate(_config(_fields(tmp_path, mesh)), str(tmp_path / "one"))
   want = _losses(tmp_path / "one")
-  codes, outs = _run(2, 4, _args(_fields(tmp_path, mesh, stop_at_step=2), tmp_path / "two"))
+  codes, outs = _run(2, 4, _args(_fields(tmp_path, mesh, stop_at_step=1), tmp_path / "two"))
   assert codes == [0, 0], outs
   two = tmp_path / "two"
-  _assert_close(_losses(two), {s: want[s] for s in (1, 2)})  # process 0 alone wrote the metrics
-  assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["2"]
+  _assert_close(_losses(two), {1: want[1]})  # process 0 alone wrote the metrics
+  assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["1"]
   lm.train_and_evaluate(_config(_fields(tmp_path, mesh)), str(two))
   _assert_close(_losses(two), want)
+
+
+# Each axis across processes: data x context (data spans them), fsdp x expert (fsdp spans them, the
+# expert all-to-all stays inside), tensor (data spans them, tensor inside).
+_MESHES = {"data_context": dict(data=2, context=-1), "fsdp_expert": dict(fsdp=2, expert=-1),
+           "tensor": dict(data=-1, tensor=2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [2, 4])
+@pytest.mark.parametrize("mesh", sorted(_MESHES))
+def test_processes_x_devices_match_one_process_of_eight(tmp_path, mesh, processes):
+  fields = _fields(tmp_path, _MESHES[mesh], warmup_steps=1, steps=3, checkpoint_every=0)
+  fields["data"]["batch_size"] = 8
+  lm.train_and_evaluate(_config(fields), str(tmp_path / "one"))
+  codes, outs = _run(processes, 8 // processes, _args(fields, tmp_path / "many"))
+  assert codes == [0] * processes, outs
+  _assert_close(_losses(tmp_path / "many"), _losses(tmp_path / "one"))
+
+
+@pytest.mark.slow
+def test_checkpoint_of_two_processes_resumes_in_four(tmp_path):
+  mesh = dict(data=-1)
+  lm.train_and_evaluate(_config(_fields(tmp_path, mesh)), str(tmp_path / "one"))
+  codes, outs = _run(2, 4, _args(_fields(tmp_path, mesh, stop_at_step=1), tmp_path / "many"))
+  assert codes == [0, 0], outs
+  codes, outs = _run(4, 2, _args(_fields(tmp_path, mesh), tmp_path / "many"))
+  assert codes == [0] * 4, outs
+  _assert_close(_losses(tmp_path / "many"), _losses(tmp_path / "one"))
+  assert sorted(p.name for p in (tmp_path / "many" / "checkpoints").iterdir()) == ["1", "2"]
 
 
 def _popen(i, n, devices, port, args, out, base_env=None):
