@@ -196,3 +196,34 @@ def test_config_fields_are_flattened_without_per_process_ones(tmp_path):
   fields = mesh_lib._flat_fields(_config(_fields(tmp_path, dict(data=2))))
   assert fields["mesh.data"] == "2" and fields["train.seed"] == "0" and fields["model.d_model"] == "32"
   assert not set(mesh_lib.PER_PROCESS_FIELDS) & set(fields)
+
+
+@pytest.mark.parametrize("cluster", ["slurm", "openmpi", "plain", "slurm_batch_script"])
+def test_start_up_passes_plain_values_and_leaves_clusters_to_jax(monkeypatch, cluster):
+  for name in list(os.environ):
+    if name.startswith(("SLURM_", "OMPI_", "JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "HYSCALE_")):
+      monkeypatch.delenv(name)
+  env = {"slurm": dict(SLURM_NTASKS="16", SLURM_PROCID="3", SLURM_STEP_NODELIST="n[1-2]"),
+         "slurm_batch_script": dict(SLURM_NTASKS="16", SLURM_PROCID="0"),
+         "openmpi": dict(OMPI_COMM_WORLD_SIZE="4"),
+         "plain": dict(JAX_COORDINATOR_ADDRESS="h0:1234", JAX_NUM_PROCESSES="4", JAX_PROCESS_ID="3",
+                       HYSCALE_HEARTBEAT_TIMEOUT_S="7")}[cluster]
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  calls = []
+  monkeypatch.setattr(mesh_lib.jax.distributed, "is_initialized", lambda: False)
+  monkeypatch.setattr(mesh_lib.jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  monkeypatch.setattr(mesh_lib.logging, "info", lambda *a: None)  # process_index() is 0 here anyway
+  many = parallel.maybe_initialize_distributed()
+  if cluster == "slurm_batch_script":  # no srun step: one process, nothing joined
+    assert many is False and calls == []
+    return
+  assert many is True and len(calls) == 1
+  call = calls[0]
+  assert call["initialization_timeout"] == mesh_lib.INIT_TIMEOUT_S
+  if cluster == "plain":
+    assert (call["coordinator_address"], call["num_processes"], call["process_id"]) == ("h0:1234", 4, 3)
+    assert call["heartbeat_timeout_seconds"] == 7
+  else:  # SLURM / Open MPI: JAX's own detection fills them in
+    assert (call["coordinator_address"], call["num_processes"], call["process_id"]) == (None, None, None)
+    assert call["heartbeat_timeout_seconds"] == mesh_lib.HEARTBEAT_TIMEOUT_S

@@ -38,9 +38,14 @@ def _env_int(name: str, default: int | None = None) -> int | None:
 
 
 def _cluster_detected() -> bool:
-  """SLURM (srun) or Open MPI (mpirun) started this process as one of several."""
+  """SLURM (srun) or Open MPI (mpirun) started this process as one of several.
+
+  SLURM's step variables (set by srun, not in the batch script itself) mark a task of a step; a plain
+  `python train.py` in an sbatch script of several tasks is one process.
+  """
   env = os.environ
-  return (_env_int("SLURM_NTASKS", 1) > 1 and "SLURM_PROCID" in env) or _env_int("OMPI_COMM_WORLD_SIZE", 1) > 1
+  slurm = "SLURM_STEP_NODELIST" in env and "SLURM_PROCID" in env and _env_int("SLURM_NTASKS", 1) > 1
+  return slurm or _env_int("OMPI_COMM_WORLD_SIZE", 1) > 1
 
 
 def maybe_initialize_distributed() -> bool:
@@ -49,7 +54,9 @@ def maybe_initialize_distributed() -> bool:
   Call before any JAX computation. Three ways to start, one command for all:
     - plain: $JAX_COORDINATOR_ADDRESS (host:port of process 0), $JAX_NUM_PROCESSES, $JAX_PROCESS_ID;
     - SLURM (`srun`) or Open MPI (`mpirun`): nothing to set, JAX's cluster detection reads their
-      variables (a $JAX_COORDINATOR_ADDRESS, when also set, overrides the detected coordinator).
+      variables (a $JAX_COORDINATOR_ADDRESS, when also set, overrides the detected coordinator). It
+      gives each process the one GPU numbered by its local rank (one process per GPU); for one
+      process per node set $JAX_LOCAL_DEVICE_IDS=0,1,...
   On CPU the collectives between processes go through gloo (TCP). Timeouts: $HYSCALE_INIT_TIMEOUT_S
   (default `INIT_TIMEOUT_S`) for every process to join, $HYSCALE_HEARTBEAT_TIMEOUT_S (default
   `HEARTBEAT_TIMEOUT_S`) before a silent process is declared lost and every other one stops.
