@@ -102,7 +102,7 @@ def test_processes_x_devices_match_one_process_of_eight(tmp_path, mesh, processe
 
 @pytest.mark.slow
 def test_checkpoint_of_two_processes_resumes_in_four(tmp_path):
-  mesh = dict(data=-1)
+  mesh = dict(data=2, context=-1)
   lm.train_and_evaluate(_config(_fields(tmp_path, mesh)), str(tmp_path / "one"))
   codes, outs = _run(2, 4, _args(_fields(tmp_path, mesh, stop_at_step=1), tmp_path / "many"))
   assert codes == [0, 0], outs
