@@ -52,10 +52,12 @@ def start(n: int, args: list[str], *, devices_per_process: int, port: int | None
 def wait_all(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> int:
   """Waits for every process; after the first non-zero exit, stops the rest. Returns 0 or that status."""
   failed = 0
-  while any(p.poll() is None for p in procs):
-    bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
+  while any([p.poll() is None for p in procs]):  # a list: poll every process, not up to the first alive
+    bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
     if bad and not failed:
-      failed = bad[0]
+      lost, failed = bad[0]
+      how = f"was killed by {signal.Signals(-failed).name}" if failed < 0 else f"exited with status {failed}"
+      print(f"launch_local: process {lost} {how}; stopping the others", file=sys.stderr, flush=True)
       for p in procs:
         if p.poll() is None:
           p.send_signal(signal.SIGTERM)

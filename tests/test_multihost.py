@@ -227,3 +227,12 @@ def test_start_up_passes_plain_values_and_leaves_clusters_to_jax(monkeypatch, cl
   else:  # SLURM / Open MPI: JAX's own detection fills them in
     assert (call["coordinator_address"], call["num_processes"], call["process_id"]) == (None, None, None)
     assert call["heartbeat_timeout_seconds"] == mesh_lib.HEARTBEAT_TIMEOUT_S
+
+
+def test_launcher_stops_the_rest_when_one_process_fails(tmp_path, capsys):
+  sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+  failing = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+  start = time.time()
+  assert launch_local.wait_all([sleepers[0], failing, sleepers[1]], grace_s=5) == 3
+  assert time.time() - start < 20 and all(p.returncode is not None for p in sleepers)
+  assert "launch_local: process 1 exited with status 3; stopping the others" in capsys.readouterr().err
