@@ -24,6 +24,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO; -v 0 shows it
   parallel.maybe_initialize_distributed()  # one process of many: join them before any JAX work
   config = _CONFIG.value
+  parallel.check_same_config(config)  # another seed, mesh or model on one process stops them all
   if config.task not in _TASKS:
     raise app.UsageError(f"config.task={config.task!r} is not one of {sorted(_TASKS)}")
   logging.info("task %s, workdir %s\n%s", config.task, _WORKDIR.value, config)

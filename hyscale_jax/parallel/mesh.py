@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -18,18 +19,127 @@ MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 _NOT_AXES = ("rules",)
 
 
-def maybe_initialize_distributed() -> None:
-  """Calls `jax.distributed.initialize()` when the environment says this is one process of many.
+# How long a process waits for all the others to join, and how long the coordination service waits
+# for a silent process before declaring it lost (every survivor then exits with its task named).
+INIT_TIMEOUT_S = 300
+HEARTBEAT_TIMEOUT_S = 60
+# Config fields that may differ between processes (host-local paths, terminal output).
+PER_PROCESS_FIELDS = ("data.cache_dir", "train.progress_bar")
 
-  It reads the coordinator from JAX's variables (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
-  JAX_PROCESS_ID) or a cluster launcher's (SLURM, Open MPI), so one command serves every host.
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+  value = os.environ.get(name, "")
+  if not value:
+    return default
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"${name}={value!r} must be an integer.") from None
+
+
+def _cluster_detected() -> bool:
+  """SLURM (srun) or Open MPI (mpirun) started this process as one of several.
+
+  SLURM's step variables (set by srun, not in the batch script itself) mark a task of a step; a plain
+  `python train.py` in an sbatch script of several tasks is one process.
   """
   env = os.environ
-  many = (env.get("JAX_COORDINATOR_ADDRESS")
-          or int(env.get("SLURM_NTASKS", "1")) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1)
-  if many and not jax.distributed.is_initialized():
-    jax.distributed.initialize()
-    logging.info("process %d of %d", jax.process_index(), jax.process_count())
+  slurm = "SLURM_STEP_NODELIST" in env and "SLURM_PROCID" in env and _env_int("SLURM_NTASKS", 1) > 1
+  return slurm or _env_int("OMPI_COMM_WORLD_SIZE", 1) > 1
+
+
+def maybe_initialize_distributed() -> bool:
+  """Joins the other processes through `jax.distributed.initialize` when this is one process of many.
+
+  Call before any JAX computation. Three ways to start, one command for all:
+    - plain: $JAX_COORDINATOR_ADDRESS (host:port of process 0), $JAX_NUM_PROCESSES, $JAX_PROCESS_ID;
+    - SLURM (`srun`) or Open MPI (`mpirun`): nothing to set, JAX's cluster detection reads their
+      variables (a $JAX_COORDINATOR_ADDRESS, when also set, overrides the detected coordinator). It
+      gives each process the one GPU numbered by its local rank (one process per GPU); for one
+      process per node set $JAX_LOCAL_DEVICE_IDS=0,1,...
+  On CPU the collectives between processes go through gloo (TCP). Timeouts: $HYSCALE_INIT_TIMEOUT_S
+  (default `INIT_TIMEOUT_S`) for every process to join, $HYSCALE_HEARTBEAT_TIMEOUT_S (default
+  `HEARTBEAT_TIMEOUT_S`) before a silent process is declared lost and every other one stops.
+
+  Returns:
+    Whether this run is one of several processes.
+
+  Raises:
+    ValueError: a plain start with one of the three variables missing or malformed.
+  """
+  env = os.environ
+  plain = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+  given = [name for name in plain if env.get(name)]
+  cluster = _cluster_detected()
+  if not given and not cluster:
+    return False
+  if jax.distributed.is_initialized():
+    return True
+  if not cluster and len(given) < len(plain):
+    missing = [name for name in plain if name not in given]
+    raise ValueError(f"a multi-process start needs ${', $'.join(plain)}; {', '.join(given)} set but "
+                     f"${', $'.join(missing)} missing (or start under srun / mpirun).")
+  num_processes, process_id = _env_int("JAX_NUM_PROCESSES"), _env_int("JAX_PROCESS_ID")
+  if num_processes is not None and not (num_processes >= 1 and process_id is not None
+                                        and 0 <= process_id < num_processes):
+    raise ValueError(f"$JAX_PROCESS_ID={process_id} must be in [0, $JAX_NUM_PROCESSES={num_processes}).")
+  if not jax.config.jax_cpu_collectives_implementation:
+    # Must precede the CPU backend's creation; without it CPU processes cannot exchange data.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+      coordinator_address=env.get("JAX_COORDINATOR_ADDRESS") or None,
+      num_processes=num_processes, process_id=process_id,
+      initialization_timeout=_env_int("HYSCALE_INIT_TIMEOUT_S", INIT_TIMEOUT_S),
+      heartbeat_timeout_seconds=_env_int("HYSCALE_HEARTBEAT_TIMEOUT_S", HEARTBEAT_TIMEOUT_S))
+  logging.info("process %d of %d, %d local devices of %d", jax.process_index(), jax.process_count(),
+               jax.local_device_count(), jax.device_count())
+  return True
+
+
+def _flat_fields(config, prefix: str = "") -> dict[str, str]:
+  out = {}
+  for key, value in sorted(config.items()):
+    name = f"{prefix}{key}"
+    if hasattr(value, "items"):
+      out.update(_flat_fields(value, name + "."))
+    elif name not in PER_PROCESS_FIELDS:
+      out[name] = repr(value)
+  return out
+
+
+def _digest(text: str) -> int:
+  return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def check_same_config(config) -> None:
+  """Stops every process when their configs differ, naming the fields (a no-op in one process).
+
+  Each process hashes every field of `config` (except `PER_PROCESS_FIELDS`); one all-gather
+  compares the hashes, a second one (only on a mismatch) finds the fields that differ.
+
+  Raises:
+    ValueError: on every process, naming the differing fields and the processes that disagree.
+  """
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils  # noqa: PLC0415 (only multi-process runs need it)
+
+  fields = _flat_fields(config)
+  names = _digest("\n".join(fields))
+  whole = _digest("\n".join(f"{k}={v}" for k, v in fields.items()))
+  summary = multihost_utils.process_allgather(np.asarray([len(fields), names, whole], np.int32))
+  if (summary == summary[0]).all():
+    return
+  if not (summary[:, :2] == summary[0, :2]).all():
+    raise ValueError(f"the config fields differ between processes (process {jax.process_index()} has "
+                     f"{len(fields)}): start every process with the same code and config file.")
+  per_field = multihost_utils.process_allgather(np.asarray([_digest(v) for v in fields.values()], np.int32))
+  differ = [(name, sorted(np.nonzero(per_field[:, i] != per_field[0, i])[0].tolist()))
+            for i, name in enumerate(fields) if (per_field[:, i] != per_field[0, i]).any()]
+  described = "; ".join(f"config.{name} (processes {p} differ from process 0)" for name, p in differ)
+  raise ValueError(f"processes were started with different configs: {described}. This process "
+                   f"({jax.process_index()}) has "
+                   + ", ".join(f"{name}={fields[name]}" for name, _ in differ) + ".")
 
 
 def mesh_shape(mesh_config, n_devices: int) -> dict[str, int]:
@@ -53,9 +163,19 @@ def mesh_shape(mesh_config, n_devices: int) -> dict[str, int]:
 
 
 def make_mesh(mesh_config) -> jax.sharding.Mesh:
-  """The mesh over the first prod(sizes) devices, every axis Auto (XLA places what is unsharded)."""
+  """The mesh over the first prod(sizes) devices, every axis Auto (XLA places what is unsharded).
+
+  Devices are taken in `jax.devices()` order, process by process, and the last axis varies
+  fastest: `tensor`, then `context`, `expert`, `fsdp` stay inside a process (a host) as long as
+  their product fits its local devices, and `data` spans hosts first. With several processes the
+  mesh must use every device (each process feeds its own).
+  """
   sizes = mesh_shape(mesh_config, jax.device_count())
-  devices = np.asarray(jax.devices()[: math.prod(sizes.values())])
+  total = math.prod(sizes.values())
+  if jax.process_count() > 1 and total != jax.device_count():
+    raise ValueError(f"config.mesh={sizes} uses {total} of {jax.device_count()} devices over "
+                     f"{jax.process_count()} processes; a multi-process mesh must use them all (set one axis to -1).")
+  devices = np.asarray(jax.devices()[:total])
   return jax.make_mesh(tuple(sizes.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
                        devices=devices)
 
@@ -66,11 +186,11 @@ def batch_sharding(mesh) -> NamedSharding:
 
 
 def global_batch(mesh, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-  """This process's rows of a global batch, placed as global arrays sharded by `batch_sharding`."""
+  """Global arrays sharded by `batch_sharding` from the global batch that every process holds.
+
+  Each process places only the blocks of its own devices, whichever axes span processes (rows
+  when `data` does, sequence chunks when `context` does).
+  """
   sharding = batch_sharding(mesh)
-  out = {}
-  for name, value in batch.items():
-    rows = value.shape[0] // jax.process_count()
-    local = value[jax.process_index() * rows : (jax.process_index() + 1) * rows]
-    out[name] = jax.make_array_from_process_local_data(sharding, local, value.shape)
-  return out
+  return {name: jax.make_array_from_callback(value.shape, sharding, lambda index, value=value: value[index])
+          for name, value in batch.items()}

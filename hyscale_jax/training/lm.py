@@ -323,7 +323,10 @@ def _handle_nonfinite(policy, step, metrics, grads, skipped, checkpointer):
 
 
 def _tensorboard(workdir: str):
-  """A tensorboardX writer under `<workdir>/tensorboard`, or None when tensorboardX is missing."""
+  """A tensorboardX writer under `<workdir>/tensorboard`, or None when tensorboardX is missing or this is
+  not process 0."""
+  if jax.process_index() != 0:
+    return None
   try:
     from tensorboardX import SummaryWriter  # noqa: PLC0415
   except ImportError:

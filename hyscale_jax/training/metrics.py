@@ -1,4 +1,7 @@
-"""Metrics: one JSON line per logged step in `<workdir>/metrics.jsonl`, mirrored to the log."""
+"""Metrics: one JSON line per logged step in `<workdir>/metrics.jsonl`, mirrored to the log.
+
+With several processes only process 0 writes and prints (every process computes the same global scalars).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import json
 import logging
 import os
 
+import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -19,6 +23,8 @@ class MetricWriter:
 
   def write(self, step: int, scalars: dict) -> dict:
     row = {"step": int(step), **{k: float(np.asarray(v)) for k, v in scalars.items()}}
+    if jax.process_index() != 0:
+      return row
     with open(self.path, "a") as f:
       f.write(json.dumps(row) + "\n")
     line = f"step {step}: " + " ".join(f"{k}={v:.5g}" for k, v in row.items() if k != "step")
