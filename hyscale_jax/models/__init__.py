@@ -9,6 +9,7 @@ from flax import nnx
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.models.decoder import Decoder, DecoderLayer, ModelOutput
 from hyscale_jax.models.deepseek_v4 import DeepseekV4
+from hyscale_jax.models.generate import generate
 from hyscale_jax.models.glm5 import GlmMoeDsa
 from hyscale_jax.models.qwen_next import Qwen4Exp
 
@@ -42,4 +43,4 @@ def count_params(config) -> tuple[int, int]:
 
 
 __all__ = ["ARCHITECTURES", "Decoder", "DecoderLayer", "DeepseekV4", "GlmMoeDsa", "ModelConfig",
-           "ModelOutput", "Qwen4Exp", "build", "count_params"]
+           "ModelOutput", "Qwen4Exp", "build", "count_params", "generate"]
