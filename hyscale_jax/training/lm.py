@@ -222,6 +222,31 @@ class Training(NamedTuple):
   layer_groups: list = []
 
 
+def restore_model(config: ml_collections.ConfigDict, workdir: str) -> tuple[nnx.Module, int]:
+  """The model of train.py's newest checkpoint under `workdir`, one module per layer as
+  `models.build` makes it (for evaluation, generation, export), and the checkpoint's step.
+
+  Raises:
+    FileNotFoundError: `workdir` holds no checkpoint.
+    CheckpointError: checkpoints exist but none reads with `config`'s model.
+  """
+  config = step_modes.apply(config)
+  cfg, mesh = setup(config)
+  rules = shd.rules_from_config(config.mesh)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    training = build_training(config, cfg, mesh, rules)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=0)
+    try:
+      restored = _restore(checkpointer, training.state, training.layer_groups)
+    finally:
+      checkpointer.close()
+  if restored is None:
+    raise FileNotFoundError(f"workdir={workdir!r} holds no checkpoint (looked in {checkpointer.directory}).")
+  step, state, _ = restored
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build(cfg, rngs=nnx.Rngs(0))))
+  return nnx.merge(graphdef, layer_stacks.per_layer(state["params"], training.layer_groups), state["rest"]), step
+
+
 def _restore(checkpointer: Checkpointer, state: dict, groups) -> tuple[int, dict, dict] | None:
   """The newest checkpoint into `state`'s layout; one written with every layer apart (before the
   scanned groups were stored stacked) is read in that layout and stacked."""
