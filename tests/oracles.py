@@ -23,6 +23,7 @@ __all__ = [
     "indexer_loss_oracle",
     "indexer_loss_grads_oracle",
     "grouped_matmul_oracle",
+    "gated_delta_rule_oracle",
 ]
 
 
@@ -437,3 +438,36 @@ def grouped_matmul_oracle(lhs, rhs, group_sizes, dout=None, *, transpose_rhs=Fal
     if dout is None:
         return out
     return out, dlhs, (np.transpose(dw, (0, 2, 1)) if transpose_rhs else dw)
+
+
+# ---------------------------------------------------------------------------
+# Gated delta rule (Gated DeltaNet's recurrence), token by token
+# ---------------------------------------------------------------------------
+def gated_delta_rule_oracle(q, k, v, g, beta, *, scale, segment_ids=None, initial_state=None):
+    """The recurrence per value head h (q/k head h // (Hv // Hk)), one token at a time:
+
+        S = 0 where a document starts (segment id changes; t = 0 starts from initial_state)
+        S = exp(g_t) S;  S = S + beta_t k_t (v_t - S^T k_t)^T;  out_t = S^T (scale q_t)
+
+    Args: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; segment_ids int[B, T] or None;
+    initial_state [B, Hv, Dk, Dv] or None.
+
+    Returns:
+      (out f64[B, T, Hv, Dv], final state f64[B, Hv, Dk, Dv]).
+    """
+    q, k, v, g, beta = map(_f64, (q, k, v, g, beta))
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    state = np.zeros((B, Hv, Dk, Dv)) if initial_state is None else _f64(initial_state).copy()
+    out = np.zeros((B, T, Hv, Dv))
+    for b in range(B):
+        for t in range(T):
+            if segment_ids is not None and t > 0 and segment_ids[b][t] != segment_ids[b][t - 1]:
+                state[b] = 0.0
+            for h in range(Hv):
+                hk = _group_of(h, Hv, Hk)
+                s = state[b, h] * math.exp(g[b, t, h])
+                s = s + beta[b, t, h] * np.outer(k[b, t, hk], v[b, t, h] - s.T @ k[b, t, hk])
+                state[b, h] = s
+                out[b, t, h] = s.T @ (scale * q[b, t, hk])
+    return out, state
