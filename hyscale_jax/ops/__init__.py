@@ -7,4 +7,5 @@ from hyscale_jax.ops.grouped_matmul import grouped_matmul
 from hyscale_jax.ops.indexer_loss import indexer_loss
 from hyscale_jax.ops.sparse_attention import sparse_attention
 
-__all__ = ["TopK", "causal_attention", "flash_topk", "gated_delta_rule", "grouped_matmul", "indexer_loss", "sparse_attention"]
+__all__ = ["TopK", "causal_attention", "flash_topk", "gated_delta_rule", "grouped_matmul", "indexer_loss",
+           "sparse_attention"]
