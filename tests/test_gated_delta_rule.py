@@ -61,6 +61,23 @@ def test_values_and_final_state_match_oracle(case, backend):
   np.testing.assert_allclose(state, want_state, rtol=1e-5, atol=2e-5)
 
 
+def test_repeated_keys_with_full_writes_stay_exact():
+  # Nearly one key throughout, beta = 1, no decay: each write replaces the last. The chunk's UT
+  # system then has entries near 1 below the diagonal; its powers reach binomial sizes (1e18 at
+  # C = 64), so an inverse built from them (a Neumann/doubling product) cancels catastrophically,
+  # while the triangular solve stays exact.
+  rng = np.random.default_rng(9)
+  k = rng.standard_normal((1, 1, 1, 16)) + 1e-3 * rng.standard_normal((1, 128, 1, 16))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  q, v = rng.standard_normal((1, 128, 1, 16)), rng.standard_normal((1, 128, 1, 16))
+  g, beta = np.zeros((1, 128, 1)), np.ones((1, 128, 1))
+  want_out, want_state = gated_delta_rule_oracle(q, k, v, g, beta, scale=0.25)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  out, state = ops.gated_delta_rule(*map(f32, (q, k, v, g, beta)), scale=0.25, return_final_state=True)
+  np.testing.assert_allclose(out, want_out, rtol=1e-4, atol=2e-5)
+  np.testing.assert_allclose(state, want_state, rtol=1e-4, atol=2e-5)
+
+
 def test_defaults_no_documents_no_state_and_bf16():
   q, k, v, g, beta, _, _ = _inputs(1, 2, 70, 2, 2, 8, 8, state=False)
   want, _ = gated_delta_rule_oracle(q, k, v, g, beta, scale=0.3)

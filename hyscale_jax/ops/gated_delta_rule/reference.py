@@ -50,6 +50,8 @@ def _chunk_step(state, xs, *, scale):
   kk = jnp.einsum("bhcd,bhed->bhce", k, k)[:, :, None]  # [B, Hk, 1, C, C]
   system = jnp.eye(C) + jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), beta[..., :, None] * decay * kk, 0.0)
   rhs = jnp.concatenate([beta[..., None] * v, (beta * reach)[..., None] * k[:, :, None]], axis=-1)
+  # A substitution, not an inverse from powers of the strictly lower part: with near-equal keys and
+  # beta ~ 1 those powers reach binomial sizes and cancel catastrophically in f32 (a test holds this).
   solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
   Dv = v.shape[-1]
   u = solved[..., :Dv] - jnp.einsum("bhrcd,bhrde->bhrce", solved[..., Dv:], state)
