@@ -17,7 +17,6 @@ intra-chunk scores times u 2 C^2 Dv, three state products 2 C Dk Dv each), i.e. 
 
 import argparse
 import functools
-import json
 import sys
 
 import jax
@@ -28,7 +27,7 @@ sys.path.insert(0, ".")
 sys.path.insert(0, "bench")
 from hyscale_jax import ops  # noqa: E402
 from hyscale_jax.ops.gated_delta_rule import REGISTRY  # noqa: E402
-from timing import timed  # noqa: E402
+from timing import timed_or_report, write_rows  # noqa: E402
 
 
 def _inputs(T, Hk, Hv, Dk, Dv, dtype):
@@ -83,13 +82,10 @@ def main(argv=None):
         print(f"{backend:13s} T {T:6d}: skipped", flush=True)
         continue
       step = _step(backend, args.chunk)
-      try:
-        seconds = timed(step, *inputs, reps=args.reps)
-        out, dq = step(*inputs)[:2]
-      except Exception as e:  # noqa: BLE001 (an OOM is a row)
-        print(f"{backend:13s} T {T:6d}: {'OOM' if 'RESOURCE_EXHAUSTED' in str(e) else type(e).__name__}: "
-              f"{str(e).splitlines()[0][:160]}", flush=True)
+      timing = timed_or_report(f"{backend:13s} T {T:6d}", step, *inputs, reps=args.reps)
+      if timing is None:
         continue
+      seconds, (out, dq, *_) = timing
       out, dq = np.float32(out), np.float32(dq)
       diff = None if first is None else (float(np.abs(out - first[1]).max()), float(np.abs(dq - first[2]).max()))
       rows.append(dict(backend=backend, T=T, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
@@ -98,9 +94,7 @@ def main(argv=None):
       first = first or (backend, out, dq)
       print(f"{backend:13s} T {T:6d}: {seconds * 1e3:9.1f} ms fwd+bwd, {flops / seconds / 1e12:6.2f} TFLOP/s{note}",
             flush=True)
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+  write_rows(args.out, rows)
 
 
 if __name__ == "__main__":
