@@ -28,17 +28,20 @@ def _grouped(q, k, v, g, beta):
           f32(beta).reshape(B, T, Hk, Hv // Hk))
 
 
-def _chunk_step(state, xs, *, scale):
-  """One chunk of C tokens from the state before it: (state after it, out f32[B, Hk, R, C, Dv]).
+def _chunk_terms(xs, *, scale):
+  """A chunk's state-independent terms: (w, u0, q_reach, scores, reach_last, k_last).
 
   With gam the within-chunk cumulative log decay, D[i, j] = exp(gam_i - gam_j) for j <= i of one
-  document (else 0), and d_i = exp(gam_i) where the incoming state still reaches i (no reset in
+  document (else 0), and d_i = exp(gam_i) where the incoming state S0 still reaches i (no reset in
   the chunk up to i), the delta rule's written values u = beta * (v - decayed state^T k) satisfy
   (I + A) u = beta v - beta d k S0 with A[i, j] = beta_i D[i, j] <k_i, k_j> strictly below the
-  diagonal: one unit-lower-triangular solve per chunk (the UT transform) replaces C sequential
-  updates. Then out = (q d) S0 + (q k^T * D) u and S_C = d_C S0 + (k * D[C-1])^T u.
+  diagonal: one unit-lower-triangular solve (the UT transform) replaces C sequential updates, and
+  u = u0 - w S0 with [u0 | w] = (I + A)^-1 [beta v | beta d k]. Then out = (q d) S0 + (q k^T * D) u
+  and the chunk's last state is d_C S0 + (k * D[C-1])^T u (`_chunk_step`).
+
+  xs: q, k [B, Hk, C, Dk], v [B, Hk, R, C, Dv], g, beta [B, Hk, R, C], reset bool[B, C].
   """
-  q, k, v, g, beta, reset = xs  # [B, Hk, C, Dk] x2, [B, Hk, R, C, Dv], [B, Hk, R, C] x2, [B, C]
+  q, k, v, g, beta, reset = xs
   C = q.shape[2]
   gam = jnp.cumsum(g, axis=-1)
   run = jnp.cumsum(reset.astype(jnp.int32), axis=-1)  # tokens with equal counts share a document
@@ -54,12 +57,18 @@ def _chunk_step(state, xs, *, scale):
   # beta ~ 1 those powers reach binomial sizes and cancel catastrophically in f32 (a test holds this).
   solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
   Dv = v.shape[-1]
-  u = solved[..., :Dv] - jnp.einsum("bhrcd,bhrde->bhrce", solved[..., Dv:], state)
   qs = q * scale
   scores = jnp.einsum("bhcd,bhed->bhce", qs, k)[:, :, None] * decay  # [B, Hk, R, C, C]
-  out = jnp.einsum("bhrcd,bhrde->bhrce", qs[:, :, None] * reach[..., None], state) + scores @ u
-  state = reach[..., -1, None, None] * state + jnp.einsum("bhrc,bhcd,bhrce->bhrde", decay[..., -1, :], k, u)
-  return state, out
+  k_last = decay[..., -1, :, None] * k[:, :, None]  # [B, Hk, R, C, Dk]
+  return solved[..., Dv:], solved[..., :Dv], qs[:, :, None] * reach[..., None], scores, reach[..., -1], k_last
+
+
+def _chunk_step(state, terms):
+  """(state after the chunk, out f32[B, Hk, R, C, Dv]) from the state before it [B, Hk, R, Dk, Dv]."""
+  w, u0, q_reach, scores, reach_last, k_last = terms
+  u = u0 - w @ state
+  out = q_reach @ state + scores @ u
+  return reach_last[..., None, None] * state + jnp.swapaxes(k_last, -1, -2) @ u, out
 
 
 def gated_delta_rule_reference(
@@ -76,9 +85,11 @@ def gated_delta_rule_reference(
 ) -> tuple[Float[Array, "B T Hv Dv"], Float[Array, "B Hv Dk Dv"]]:
   """The gated delta rule chunk by chunk (WY/UT form), a `lax.scan` over chunks of `chunk` tokens.
 
-  Memory is O(T): besides the inputs, one chunk's [C, C] matrices per head and one state per chunk
-  (the scan body is rematerialised, so the backward pass keeps only the chunk states). T is
-  padded to a multiple of `chunk` with tokens that leave the state unchanged (beta = 0, g = 0).
+  The state-independent terms of every chunk (the UT solve, the intra-chunk scores) are computed
+  for all chunks at once; the scan over chunks then does three matmuls per chunk. Memory is O(T):
+  [C, C] matrices per chunk and head ([T, C] per head, never [T, T]) and one f32 state per chunk,
+  which the backward pass keeps. T is padded to a multiple of `chunk` with tokens that leave the
+  state unchanged (beta = 0, g = 0).
   Arguments as `gated_delta_rule`'s; returns (out [B, T, Hv, Dv] in q.dtype, final state f32).
   """
   B, T, Hk, Dk = q.shape
@@ -95,8 +106,10 @@ def gated_delta_rule_reference(
     state = jnp.zeros((B, Hk, Hv // Hk, Dk, Dv), jnp.float32)
   else:
     state = initial_state.astype(jnp.float32).reshape(B, Hk, Hv // Hk, Dk, Dv)
-  step = jax.checkpoint(lambda s, x: _chunk_step(s, x, scale=scale))
-  state, out = jax.lax.scan(step, state, xs)  # out [n, B, Hk, R, C, Dv]
+  # Everything that does not read the state, for all chunks at once (batched solves and matmuls);
+  # the scan then carries the state through three matmuls per chunk.
+  terms = jax.vmap(lambda x: _chunk_terms(x, scale=scale))(xs)
+  state, out = jax.lax.scan(_chunk_step, state, terms)  # out [n, B, Hk, R, C, Dv]
   out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(B, -1, Hv, Dv)[:, :T]
   return out.astype(q.dtype), state.reshape(B, Hv, Dk, Dv)
 
