@@ -14,7 +14,7 @@ _DTYPES = ("float32", "bfloat16")
 # checkpoint holds; a checkpoint's config is compared with a run's on every other field.
 EXECUTION_FIELDS: frozenset[str] = frozenset({
     "dtype", "param_dtype", "remat_policy", "indexer_loss_grad_in_forward", "attention_query_chunk",
-    "moe_token_chunk", "lm_loss_chunk", "scan_layers"})
+    "moe_token_chunk", "lm_loss_chunk", "scan_layers", "linear_chunk"})
 
 
 def index_share_full_layer(layer: int, freq: int, offset: int) -> bool:
