@@ -15,7 +15,6 @@ at T 16K, N 64) and is skipped when they would pass `--baseline-gib`; an out-of-
 
 import argparse
 import functools
-import json
 import sys
 
 import jax
@@ -26,7 +25,7 @@ sys.path.insert(0, ".")
 sys.path.insert(0, "bench")
 from hyscale_jax import ops  # noqa: E402
 from hyscale_jax.ops.causal_attention.reference import attend_with_saved_residuals  # noqa: E402
-from timing import timed  # noqa: E402
+from timing import timed_or_report, write_rows  # noqa: E402
 
 
 def _inputs(T, N, K, H, Hv, dtype):
@@ -86,13 +85,10 @@ def main(argv=None):
         print(f"{backend:13s} T {T:6d}: skipped ([N, T, T] f32 logits = {N * T * T * 4 / 2**30:.0f} GiB)")
         continue
       step = _step(backend, H**-0.5, args.blocks)
-      try:
-        seconds = timed(step, *inputs, reps=args.reps)
-        out, dq, _, _ = step(*inputs)
-      except Exception as e:  # noqa: BLE001 (an OOM or a kernel that does not compile is a row)
-        print(f"{backend:13s} T {T:6d}: {'OOM' if 'RESOURCE_EXHAUSTED' in str(e) else type(e).__name__}: "
-              f"{str(e).splitlines()[0][:160]}", flush=True)
+      timing = timed_or_report(f"{backend:13s} T {T:6d}", step, *inputs, reps=args.reps)
+      if timing is None:
         continue
+      seconds, (out, dq, _, _) = timing
       out, dq = np.float32(out), np.float32(dq)
       diff = "" if first is None else (f", max|out - {first[0]}| {np.abs(out - first[1]).max():.3g}, "
                                        f"max|dq - {first[0]}| {np.abs(dq - first[2]).max():.3g}")
@@ -101,11 +97,7 @@ def main(argv=None):
       first = first or (backend, out, dq)
       print(f"{backend:13s} T {T:6d}: {seconds * 1e3:9.1f} ms fwd+bwd, {flops / seconds / 1e12:6.1f} TFLOP/s{diff}",
             flush=True)
-
-
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+  write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Device timing shared by the bench scripts."""
 
+import json
 import time
 
 import jax
@@ -16,6 +17,25 @@ def timed(fn, *args, reps=5, warmup=True):
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
   return float(np.median(times))
+
+
+def timed_or_report(label, fn, *args, reps=5):
+  """(median seconds, fn's outputs), or None after printing `label` and why it did not run (OOM, an
+  error compiling): for sweeps where one failed row must not end the run."""
+  try:
+    seconds = timed(fn, *args, reps=reps)
+    return seconds, fn(*args)
+  except Exception as e:  # noqa: BLE001 (an OOM or a kernel that does not compile is a row)
+    print(f"{label}: {'OOM' if 'RESOURCE_EXHAUSTED' in str(e) else type(e).__name__}: "
+          f"{str(e).splitlines()[0][:160]}", flush=True)
+    return None
+
+
+def write_rows(path, rows):
+  """Writes {"device": the device kind, "rows": rows} as JSON to `path` (nothing when path is None)."""
+  if path:
+    with open(path, "w") as f:
+      json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
 
 
 class CompileAhead:

@@ -21,6 +21,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.ops.causal_attention = "auto"
   # The MoE's expert matmuls (ops.grouped_matmul).
   config.ops.grouped_matmul = "auto"
+  # Gated DeltaNet's recurrence (ops.gated_delta_rule).
+  config.ops.gated_delta_rule = "auto"
   # A named preset that overrides `ops` and the remat/holistic `model` fields: "" (none),
   # "megatron_style", "+flashtopk", "+replay", "hyscale" or "+replay+<optimization>"
   # (hyscale_jax/training/step_modes.py).

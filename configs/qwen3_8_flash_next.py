@@ -1,7 +1,7 @@
 """Qwen3.8-Flash-Next (`qwen4_exp`): gated GQA with the QSA block indexer, and MoE.
 
-Variants: `full` (the published layout: Gated DeltaNet on 3 of every 4 layers, which is not
-implemented, so it can be inspected but not built) and `tiny` (QSA on every layer, CPU-sized).
+Variants: `full` (the published layout: Gated DeltaNet on 3 of every 4 layers, QSA on every 4th)
+and `tiny` (the same 3:1 pattern over 4 layers, CPU-sized).
 The indexer trains with the block-level KL (`model.indexer_pool` = "sum" or "max"), or not at all
 with `--config.model.indexer_frozen=true --config.train.warmup_steps=0`.
 
@@ -22,13 +22,19 @@ _FULL = dict(
     # architectures.md §4.1: gated-residual streams (4, low rank 320) in place of the pre-norms, and a
     # sigmoid-gated shared expert. The router keeps our load-balancing bias (transformers has none).
     hc_mult=4, hc_lowrank=320, shared_expert_gate=True,
+    # Gated DeltaNet (architectures.md §4.1): 16 q/k heads and 48 value heads of 128, conv 4, sigmoid gate.
+    linear_n_key_heads=16, linear_n_value_heads=48, linear_key_dim=128, linear_value_dim=128,
+    linear_conv_kernel=4, linear_output_gate="sigmoid",
 )
 _FULL["layer_types"] = _FULL["layer_types"] * 12
-# architectures.md's tiny QSA config: a 64-token budget (16 blocks), 67 attended indices per token.
+# architectures.md's tiny QSA config: a 64-token budget (16 blocks), 67 attended indices per token,
+# stacked as [GDN, GDN, GDN, QSA].
 _TINY = dict(
-    vocab_size=2048, d_model=256, n_layers=4, layer_types=("qsa",) * 4, n_heads=4, n_kv_heads=2,
-    head_dim=64, qk_rope_dim=16, index_n_heads=2, index_head_dim=32, index_rope_dim=16, index_topk=16,
+    vocab_size=2048, d_model=256, n_layers=4, layer_types=("gated_deltanet",) * 3 + ("qsa",), n_heads=4,
+    n_kv_heads=2, head_dim=64, qk_rope_dim=16, index_n_heads=2, index_head_dim=32, index_rope_dim=16,
+    index_topk=16,
     n_routed_experts=8, experts_per_token=2, moe_inter=96, hc_lowrank=32,
+    linear_n_key_heads=2, linear_n_value_heads=4, linear_key_dim=32, linear_value_dim=32,
 )
 
 

@@ -14,7 +14,7 @@ _DTYPES = ("float32", "bfloat16")
 # checkpoint holds; a checkpoint's config is compared with a run's on every other field.
 EXECUTION_FIELDS: frozenset[str] = frozenset({
     "dtype", "param_dtype", "remat_policy", "indexer_loss_grad_in_forward", "attention_query_chunk",
-    "moe_token_chunk", "lm_loss_chunk", "scan_layers"})
+    "moe_token_chunk", "lm_loss_chunk", "scan_layers", "linear_chunk"})
 
 
 def index_share_full_layer(layer: int, freq: int, offset: int) -> bool:
@@ -96,10 +96,20 @@ class ModelConfig:
   csa_ratio: int = 4
   compress_rope_theta: float = 160000.0
   # Qwen3.8-Flash-Next (`qwen4_exp`): gated GQA with the QSA block indexer on "qsa" layers.
-  # `layer_types[i]` is "qsa" or "gated_deltanet" (not implemented); head_dim and qk_rope_dim
-  # (the partial RoPE width) are shared with the fields above.
+  # `layer_types[i]` is "qsa" or "gated_deltanet"; head_dim and qk_rope_dim (the partial RoPE
+  # width) are shared with the fields above.
   n_kv_heads: int = 2
   layer_types: tuple[str, ...] = ()
+  # Gated DeltaNet ("gated_deltanet" layers, layers/gated_deltanet.py): q/k heads and value heads
+  # (a multiple of them) with their dims, the short causal conv's width, the output gate's
+  # activation ("sigmoid" in Qwen3.8-Flash-Next, "silu" in Qwen3-Next) and the op's chunk length.
+  linear_n_key_heads: int = 16
+  linear_n_value_heads: int = 48
+  linear_key_dim: int = 128
+  linear_value_dim: int = 128
+  linear_conv_kernel: int = 4
+  linear_output_gate: str = "sigmoid"
+  linear_chunk: int = 64
   qsa_block: int = 4
   indexer_pool: str = "sum"
   indexer_frozen: bool = False
@@ -221,6 +231,20 @@ class ModelConfig:
       raise ValueError(f"model.indexer_pool={self.indexer_pool!r} is not 'sum' or 'max'.")
     if self.qsa_block < 1 or self.qk_rope_dim > self.head_dim:
       raise ValueError(f"model.qsa_block={self.qsa_block} must be >= 1 and qk_rope_dim <= head_dim.")
+    if "gated_deltanet" in self.layer_types:
+      self._check_gated_deltanet()
+
+  def _check_gated_deltanet(self):
+    for name in ("linear_n_key_heads", "linear_n_value_heads", "linear_key_dim", "linear_value_dim",
+                 "linear_conv_kernel", "linear_chunk"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"model.{name} must be a positive int, got {name}={value!r}.")
+    if self.linear_n_value_heads % self.linear_n_key_heads:
+      raise ValueError(f"model.linear_n_value_heads={self.linear_n_value_heads} must be a multiple of "
+                       f"linear_n_key_heads={self.linear_n_key_heads}.")
+    if self.linear_output_gate not in ("sigmoid", "silu"):
+      raise ValueError(f"model.linear_output_gate={self.linear_output_gate!r} is not 'sigmoid' or 'silu'.")
 
   def _check_deepseek_v4(self):
     if len(self.compress_ratios) != self.n_layers:

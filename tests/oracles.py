@@ -23,6 +23,8 @@ __all__ = [
     "indexer_loss_oracle",
     "indexer_loss_grads_oracle",
     "grouped_matmul_oracle",
+    "gated_delta_rule_oracle",
+    "gated_deltanet_oracle",
 ]
 
 
@@ -437,3 +439,80 @@ def grouped_matmul_oracle(lhs, rhs, group_sizes, dout=None, *, transpose_rhs=Fal
     if dout is None:
         return out
     return out, dlhs, (np.transpose(dw, (0, 2, 1)) if transpose_rhs else dw)
+
+
+# ---------------------------------------------------------------------------
+# Gated delta rule (Gated DeltaNet's recurrence), token by token
+# ---------------------------------------------------------------------------
+def gated_delta_rule_oracle(q, k, v, g, beta, *, scale, segment_ids=None, initial_state=None):
+    """The recurrence per value head h (q/k head h // (Hv // Hk)), one token at a time:
+
+        S = 0 where a document starts (segment id changes; t = 0 starts from initial_state)
+        S = exp(g_t) S;  S = S + beta_t k_t (v_t - S^T k_t)^T;  out_t = S^T (scale q_t)
+
+    Args: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; segment_ids int[B, T] or None;
+    initial_state [B, Hv, Dk, Dv] or None.
+
+    Returns:
+      (out f64[B, T, Hv, Dv], final state f64[B, Hv, Dk, Dv]).
+    """
+    q, k, v, g, beta = map(_f64, (q, k, v, g, beta))
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    state = np.zeros((B, Hv, Dk, Dv)) if initial_state is None else _f64(initial_state).copy()
+    out = np.zeros((B, T, Hv, Dv))
+    for b in range(B):
+        for t in range(T):
+            if segment_ids is not None and t > 0 and segment_ids[b][t] != segment_ids[b][t - 1]:
+                state[b] = 0.0
+            for h in range(Hv):
+                hk = _group_of(h, Hv, Hk)
+                s = state[b, h] * math.exp(g[b, t, h])
+                s = s + beta[b, t, h] * np.outer(k[b, t, hk], v[b, t, h] - s.T @ k[b, t, hk])
+                state[b, h] = s
+                out[b, t, h] = s.T @ (scale * q[b, t, hk])
+    return out, state
+
+
+def gated_deltanet_oracle(x, params, *, n_key_heads, key_dim, value_dim, eps, gate, segment_ids):
+    """transformers' Qwen4-Exp Gated DeltaNet layer in float64, on packed documents.
+
+    Args:
+      x: [B, T, D] inputs.
+      params: dict of arrays in our layout: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj
+        ([in, out] matrices), conv1d [K, C] (tap K-1 is the current token), dt_bias [Hv], A_log [Hv],
+        norm [Dv].
+      gate: "sigmoid" or "silu" (the output gate's activation).
+      segment_ids: int[B, T]; the conv window and the recurrence stop at document starts.
+
+    Returns:
+      f64[B, T, D].
+    """
+    p = {name: _f64(value) for name, value in params.items()}
+    x = _f64(x)
+    B, T, _ = x.shape
+    Hk, Dk, Dv = n_key_heads, key_dim, value_dim
+    Hv = p["A_log"].shape[0]
+    mixed = x @ p["in_proj_qkv"]
+    K = p["conv1d"].shape[0]
+    conv = np.zeros_like(mixed)
+    for b in range(B):
+        for t in range(T):
+            for j in range(K):
+                s = t - (K - 1) + j
+                if s >= 0 and segment_ids[b][s] == segment_ids[b][t]:
+                    conv[b, t] += p["conv1d"][j] * mixed[b, s]
+    conv = conv / (1.0 + np.exp(-conv))  # SiLU
+    q = conv[..., : Hk * Dk].reshape(B, T, Hk, Dk)
+    k = conv[..., Hk * Dk : 2 * Hk * Dk].reshape(B, T, Hk, Dk)
+    v = conv[..., 2 * Hk * Dk :].reshape(B, T, Hv, Dv)
+    l2 = lambda y: y / np.sqrt(np.sum(y * y, axis=-1, keepdims=True) + 1e-6)
+    beta = 1.0 / (1.0 + np.exp(-(x @ p["in_proj_b"])))
+    a = x @ p["in_proj_a"] + p["dt_bias"]
+    g = -np.exp(p["A_log"]) * np.log1p(np.exp(a))
+    out, _ = gated_delta_rule_oracle(l2(q), l2(k), v, g, beta, scale=Dk**-0.5, segment_ids=segment_ids)
+    z = (x @ p["in_proj_z"]).reshape(B, T, Hv, Dv)
+    act = 1.0 / (1.0 + np.exp(-z))
+    act = act if gate == "sigmoid" else z * act
+    out = out / np.sqrt(np.mean(out * out, axis=-1, keepdims=True) + eps) * p["norm"] * act
+    return out.reshape(B, T, Hv * Dv) @ p["out_proj"]

@@ -81,7 +81,7 @@ def _qwen_sets(ours, theirs, cfg):
 
 
 _PARITY = {"glm_moe_dsa": (_glm_layers, _glm_sets), "deepseek_v4": (_v4_layers, _v4_sets),
-           "qwen4_exp": (_qwen_layers, _qwen_sets)}
+           "qwen4_exp": (_qwen_layers, _qwen_sets), "qwen4_exp_gdn": (_qwen_layers, _qwen_sets)}
 
 
 @pytest.mark.parametrize("model_type", sorted(_PARITY))

@@ -185,17 +185,17 @@ def test_one_selection_per_qsa_layer_under_selection_replay(policy, per_layer):
   assert remat.count_named_equations(jaxpr, "flash_topk") == per_layer * _SMALL.n_layers
 
 
-def test_full_config_declares_gated_deltanet_which_is_not_built():
-  cfg = ModelConfig.from_config(qwen3_8_flash_next.get_config("full").model)
-  assert cfg.layer_types.count("qsa") == 12 and cfg.layer_types[3::4] == ("qsa",) * 12
-  with pytest.raises(NotImplementedError, match="Gated DeltaNet"):
-    models.count_params(cfg)
+def test_config_checks_name_the_field():
   with pytest.raises(ValueError, match="layer_types"):
     dataclasses.replace(_SMALL, layer_types=("qsa",))
   with pytest.raises(ValueError, match="indexer_pool"):
     dataclasses.replace(_SMALL, indexer_pool="mean")
 
 
-def test_trains_both_stages_and_resumes(tmp_path):
-  make = lambda steps: small_lm_config(qwen3_8_flash_next.get_config, _SMALL, tmp_path, steps)
+def test_hybrid_stack_trains_both_stages_and_resumes(tmp_path):
+  # The published pattern: three Gated DeltaNet layers, then a QSA layer.
+  hybrid = dataclasses.replace(_SMALL, n_layers=4, layer_types=("gated_deltanet",) * 3 + ("qsa",),
+                               linear_n_key_heads=2, linear_n_value_heads=4, linear_key_dim=8, linear_value_dim=8,
+                               linear_chunk=16)
+  make = lambda steps: small_lm_config(qwen3_8_flash_next.get_config, hybrid, tmp_path, steps)
   assert_trains_both_stages_and_resumes(make, tmp_path / "run")

@@ -201,7 +201,12 @@ def qwen4_exp_from_hf(hf: dict) -> dict:
       # transformers' Qwen4-Exp: a sigmoid-gated shared expert, a router without a selection bias,
       # zero-centred indexer norms, and gated-residual streams in place of the pre-norms.
       norm_topk_prob=hf["norm_topk_prob"], shared_expert_gate=True, router_bias=False,
-      indexer_norm_zero_centered=True, hc_mult=hf["hc_count"], hc_lowrank=hf["hc_lowrank"])
+      indexer_norm_zero_centered=True, hc_mult=hf["hc_count"], hc_lowrank=hf["hc_lowrank"],
+      # Gated DeltaNet ("linear_attention" layers), with transformers' defaults for absent fields.
+      linear_n_key_heads=hf.get("linear_num_key_heads", 16), linear_n_value_heads=hf.get("linear_num_value_heads", 32),
+      linear_key_dim=hf.get("linear_key_head_dim", 128), linear_value_dim=hf.get("linear_value_head_dim", 128),
+      linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+      linear_output_gate=hf.get("output_gate_type") or hf.get("hidden_act", "silu"))
 
 
 def qwen4_exp_to_hf(cfg: ModelConfig) -> dict:
@@ -225,6 +230,9 @@ def qwen4_exp_to_hf(cfg: ModelConfig) -> dict:
       num_experts=cfg.n_routed_experts, num_experts_per_tok=cfg.experts_per_token,
       moe_intermediate_size=cfg.moe_inter, shared_expert_intermediate_size=cfg.moe_inter * cfg.n_shared_experts,
       norm_topk_prob=cfg.norm_topk_prob, hc_count=cfg.hc_mult, hc_lowrank=cfg.hc_lowrank, ple_layer_ids=[],
+      linear_num_key_heads=cfg.linear_n_key_heads, linear_num_value_heads=cfg.linear_n_value_heads,
+      linear_key_head_dim=cfg.linear_key_dim, linear_value_head_dim=cfg.linear_value_dim,
+      linear_conv_kernel_dim=cfg.linear_conv_kernel, output_gate_type=cfg.linear_output_gate,
       hidden_act="silu", attention_bias=False, dtype=cfg.param_dtype)
 
 

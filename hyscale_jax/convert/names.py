@@ -119,6 +119,14 @@ def _rule_for(cfg: ModelConfig, path: Path, shape: tuple[int, ...]) -> TensorRul
     return TensorRule(path, names, _stack_transposed(shape), lambda a: [x.T for x in a])
   for pattern, replacement in _RENAMES[arch]:
     local = re.sub(pattern, replacement, local)
+  if arch == "qwen4_exp" and path[0] == "layers" and cfg.layer_types[int(path[1])] == "gated_deltanet":
+    # Gated DeltaNet is transformers' `linear_attn`; its depthwise conv kernel is [K, C] here and
+    # torch's Conv1d [C, 1, K] there, and its gated norm's weight is our `norm` array.
+    local = re.sub(r"^self_attn\.", "linear_attn.", local)
+    if local == "linear_attn.conv1d":
+      return TensorRule(path, (prefix + local + ".weight",), lambda a: np.ascontiguousarray(_single(a)[:, 0].T),
+                        lambda a: [np.ascontiguousarray(a.T[:, None])])
+    local += ".weight" if local == "linear_attn.norm" else ""
   leaf = local.rsplit(".", 1)[-1]
   if arch == "deepseek_v4" and local.endswith("attn.wo_a"):  # [G, in, o] <-> [G * o, in]
     g, fan_in, rank = shape

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from hyscale_jax.layers.gated_deltanet import GatedDeltaNet
 from hyscale_jax.layers.hyper_connections import GatedResidual
 from hyscale_jax.layers.qsa import QSAAttention
 from hyscale_jax.model_config import ModelConfig
@@ -16,17 +17,15 @@ class Qwen4Exp(Decoder):
 
   With `hc_mult` > 0 the residual is `GatedResidual` streams, which replace the pre-norms and the
   final norm (the final collapse is `hc_head`, transformers' `hyper_connection_mixer`); the shared
-  expert is sigmoid-gated with `shared_expert_gate`. Only "qsa" layers are implemented: Gated
-  DeltaNet ("gated_deltanet", 3 of every 4 layers in the published model) raises
-  NotImplementedError, so the `tiny` config stacks QSA layers only. Not implemented either (README
-  feature table): the Engram n-gram embedding, MTP, and MRoPE (it reduces to 1-D RoPE for text).
+  expert is sigmoid-gated with `shared_expert_gate`. A "qsa" layer's mixer is `QSAAttention`, a
+  "gated_deltanet" layer's (3 of every 4 in the published model) `GatedDeltaNet`. Not implemented
+  (README feature table): the Engram n-gram embedding, MTP, and MRoPE (it reduces to 1-D RoPE for
+  text).
   """
 
   def make_attention(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
-    if cfg.layer_types[layer] != "qsa":
-      raise NotImplementedError(
-          f"layer {layer} is {cfg.layer_types[layer]!r}: Gated DeltaNet is not implemented; "
-          "use layer_types of 'qsa' only (as configs/qwen3_8_flash_next.py:tiny does).")
+    if cfg.layer_types[layer] == "gated_deltanet":
+      return GatedDeltaNet(cfg, rngs=rngs)
     return QSAAttention(cfg, rngs=rngs)
 
   def _gated_residual(self, cfg: ModelConfig, rngs: nnx.Rngs, *, inject: bool) -> GatedResidual:

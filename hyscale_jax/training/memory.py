@@ -85,7 +85,9 @@ def _has_indexer(cfg: ModelConfig, layer: int) -> bool:
 def _attention_parts(cfg: ModelConfig, layer: int) -> int:
   """(out, lse) pairs the layer's attention computes and `"selection_replay"` saves: DeepSeek-V4's HCA
   attends its window (`sparse_attention`) and every visible entry (`causal_attention`) apart and
-  merges them by their LSEs; every other layer makes one call."""
+  merges them by their LSEs; Gated DeltaNet saves none (no softmax); every other layer makes one call."""
+  if cfg.architecture == "qwen4_exp" and cfg.layer_types[layer] == "gated_deltanet":
+    return 0
   return 2 if cfg.architecture == "deepseek_v4" and cfg.layer_kind(layer) == "hca" else 1
 
 
@@ -109,6 +111,13 @@ def _layer_bytes_per_token(cfg: ModelConfig, layer: int) -> float:
       attn += 2 * H * hd
       lse_parts = 2 * H
     attn += index if kind == "csa" else 0
+  elif cfg.architecture == "qwen4_exp" and cfg.layer_types[layer] == "gated_deltanet":
+    # q, k, v before and after the conv, z, the op's output, its norm and gate; the f32 state of
+    # each chunk (what the op's scan keeps for its backward) spread over the chunk's tokens.
+    qkv = 2 * cfg.linear_n_key_heads * cfg.linear_key_dim + cfg.linear_n_value_heads * cfg.linear_value_dim
+    attn = 2 * qkv + 4 * cfg.linear_n_value_heads * cfg.linear_value_dim
+    attn += cfg.linear_n_value_heads * cfg.linear_key_dim * cfg.linear_value_dim * 4 // (a * cfg.linear_chunk)
+    attended = 0
   elif cfg.architecture == "qwen4_exp":
     hd = cfg.head_dim
     attn = 2 * H * hd + 4 * cfg.n_kv_heads * hd + 2 * H * hd + index
