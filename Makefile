@@ -11,6 +11,8 @@ CONFIG ?= configs/glm5_1.py:tiny
 WORKDIR ?= runs/glm5_1_tiny
 TRAIN_ARGS ?=
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): 2 fits the 2-core, 24 GB CI machine (16 min there against 23.5 in one).
+PYTEST_WORKERS ?= 2
 MARKERS := $(if $(filter 1 true,$(SLOW)),,-m "not slow")
 # With an NVIDIA GPU present, install the CUDA jaxlib plugin too, so `make train` uses the GPU.
 EXTRAS ?= $(if $(shell nvidia-smi -L 2>/dev/null),test$(comma)gpu,test)
@@ -30,7 +32,7 @@ train: setup
 	$(PY) train.py --config=$(CONFIG) --workdir=$(WORKDIR) $(TRAIN_ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(MARKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(MARKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
