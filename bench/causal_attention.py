@@ -25,7 +25,7 @@ sys.path.insert(0, ".")
 sys.path.insert(0, "bench")
 from hyscale_jax import ops  # noqa: E402
 from hyscale_jax.ops.causal_attention.reference import attend_with_saved_residuals  # noqa: E402
-from timing import timed_or_report, write_rows  # noqa: E402
+from timing import against_first, timed_or_report, write_rows  # noqa: E402
 
 
 def _inputs(T, N, K, H, Hv, dtype):
@@ -89,13 +89,9 @@ def main(argv=None):
       if timing is None:
         continue
       seconds, (out, dq, _, _) = timing
-      out, dq = np.float32(out), np.float32(dq)
-      diff = "" if first is None else (f", max|out - {first[0]}| {np.abs(out - first[1]).max():.3g}, "
-                                       f"max|dq - {first[0]}| {np.abs(dq - first[2]).max():.3g}")
-      rows.append(dict(backend=backend, T=T, N=N, K=K, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
-                       max_out_diff=None if first is None else float(np.abs(out - first[1]).max())))
-      first = first or (backend, out, dq)
-      print(f"{backend:13s} T {T:6d}: {seconds * 1e3:9.1f} ms fwd+bwd, {flops / seconds / 1e12:6.1f} TFLOP/s{diff}",
+      diffs, note, first = against_first(first, backend, np.float32(out), np.float32(dq))
+      rows.append(dict(backend=backend, T=T, N=N, K=K, ms=seconds * 1e3, tflops=flops / seconds / 1e12, **diffs))
+      print(f"{backend:13s} T {T:6d}: {seconds * 1e3:9.1f} ms fwd+bwd, {flops / seconds / 1e12:6.1f} TFLOP/s{note}",
             flush=True)
   write_rows(args.out, rows)
 

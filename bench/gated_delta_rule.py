@@ -27,7 +27,7 @@ sys.path.insert(0, ".")
 sys.path.insert(0, "bench")
 from hyscale_jax import ops  # noqa: E402
 from hyscale_jax.ops.gated_delta_rule import REGISTRY  # noqa: E402
-from timing import timed_or_report, write_rows  # noqa: E402
+from timing import against_first, timed_or_report, write_rows  # noqa: E402
 
 
 def _inputs(T, Hk, Hv, Dk, Dv, dtype):
@@ -86,12 +86,8 @@ def main(argv=None):
       if timing is None:
         continue
       seconds, (out, dq, *_) = timing
-      out, dq = np.float32(out), np.float32(dq)
-      diff = None if first is None else (float(np.abs(out - first[1]).max()), float(np.abs(dq - first[2]).max()))
-      rows.append(dict(backend=backend, T=T, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
-                       max_out_diff=None if diff is None else diff[0], max_dq_diff=None if diff is None else diff[1]))
-      note = "" if diff is None else f", max|out - {first[0]}| {diff[0]:.3g}, max|dq - {first[0]}| {diff[1]:.3g}"
-      first = first or (backend, out, dq)
+      diffs, note, first = against_first(first, backend, np.float32(out), np.float32(dq))
+      rows.append(dict(backend=backend, T=T, ms=seconds * 1e3, tflops=flops / seconds / 1e12, **diffs))
       print(f"{backend:13s} T {T:6d}: {seconds * 1e3:9.1f} ms fwd+bwd, {flops / seconds / 1e12:6.2f} TFLOP/s{note}",
             flush=True)
   write_rows(args.out, rows)

@@ -31,6 +31,17 @@ def timed_or_report(label, fn, *args, reps=5):
     return None
 
 
+def against_first(first, backend, out, dq):
+  """A backend's outputs against the first backend's of the same row: (row fields `max_out_diff`,
+  `max_dq_diff`, the note to print, the first backend's (name, out, dq) for the next backend).
+  out, dq: f32 numpy arrays; `first` None for the first backend."""
+  if first is None:
+    return dict(max_out_diff=None, max_dq_diff=None), "", (backend, out, dq)
+  name, first_out, first_dq = first
+  d_out, d_dq = float(np.abs(out - first_out).max()), float(np.abs(dq - first_dq).max())
+  return dict(max_out_diff=d_out, max_dq_diff=d_dq), f", max|out - {name}| {d_out:.3g}, max|dq - {name}| {d_dq:.3g}", first
+
+
 def write_rows(path, rows):
   """Writes {"device": the device kind, "rows": rows} as JSON to `path` (nothing when path is None)."""
   if path:

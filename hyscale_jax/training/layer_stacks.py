@@ -7,7 +7,7 @@ gradient back into one array per (layer, parameter) and update each on its own: 
 layers XLA then compiles about 1,600 slices and their AdamW updates, which made the scanned step
 3.3x as slow to compile as a 4-layer one. So the training state holds each group of
 `Decoder.scanned_layer_groups()` stacked under `params["layer_stacks"][g]` (leading axis: the
-group's layers, unsharded), and with it the AdamW moments. The step's forward `unstack_layers` them
+group's layers, unsharded), and with it the AdamW moments. The step's forward takes them `per_layer`
 into per-layer views; the decoder's stacking of those views is a concatenation of consecutive
 slices of the stored array, which XLA folds back into that array, forward and backward.
 

@@ -219,7 +219,7 @@ class Training(NamedTuple):
   main_lr: Callable
   indexer_lr: Callable
   # `Decoder.scanned_layer_groups()`: the layers stored stacked in state (layer_stacks.py).
-  layer_groups: list = []
+  layer_groups: list
 
 
 def restore_model(config: ml_collections.ConfigDict, workdir: str) -> tuple[nnx.Module, int]:
