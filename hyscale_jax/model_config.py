@@ -15,6 +15,9 @@ _DTYPES = ("float32", "bfloat16")
 EXECUTION_FIELDS: frozenset[str] = frozenset({
     "dtype", "param_dtype", "remat_policy", "indexer_loss_grad_in_forward", "attention_query_chunk",
     "moe_token_chunk", "lm_loss_chunk", "scan_layers", "linear_chunk"})
+# Where a config came from, not what it computes: the Hugging Face config.json it was imported from
+# (export writes it back, with the fields we own updated). Never compared between configs.
+PROVENANCE_FIELDS: frozenset[str] = frozenset({"hf_config"})
 
 
 def index_share_full_layer(layer: int, freq: int, offset: int) -> bool:
@@ -110,6 +113,21 @@ class ModelConfig:
   linear_conv_kernel: int = 4
   linear_output_gate: str = "sigmoid"
   linear_chunk: int = 64
+  # Engram / PLE (layers/engram.py): hashed n-gram embeddings added to the residual streams before the
+  # (one-indexed, as transformers' `ple_layer_ids`) layers listed. Per such layer, n-grams of orders
+  # 2..`ngram_size` are hashed `ngram_heads_per_order` ways each into prime-sized tables (the first
+  # primes >= `ngram_vocab_base`, all layers' heads distinct, rows padded to `ngram_vocab_multiple`) of
+  # `ple_embed_dim / heads` features; `ngram_seed` fixes the hash multipliers. N-grams never reach back
+  # across an `eos_token_id` (or a document start); `ple_conv_kernel` is the dilated conv's width.
+  ple_layer_ids: tuple[int, ...] = ()
+  ple_embed_dim: int = 0
+  ple_conv_kernel: int = 4
+  ngram_size: int = 3
+  ngram_heads_per_order: int = 8
+  ngram_vocab_base: int = 20_000_000
+  ngram_vocab_multiple: int = 128
+  ngram_seed: int = 1234
+  eos_token_id: int = -1
   qsa_block: int = 4
   indexer_pool: str = "sum"
   indexer_frozen: bool = False
@@ -136,6 +154,9 @@ class ModelConfig:
   # jax.lax.scan (models/decoder.py), so trace and compile time do not grow with depth; False
   # unrolls every layer (same values and gradients; for comparison and debugging).
   scan_layers: bool = True
+  # The Hugging Face config.json this config was imported from (JSON text; "" if none), kept so that
+  # export writes back every field it had (convert/hf_config.py). A string: configs stay hashable.
+  hf_config: str = ""
 
   def saves_attention(self, seq_len: int) -> bool:
     """Whether "selection_replay" saves the attention's out/lse at this length (not when MLA chunks).
@@ -205,6 +226,8 @@ class ModelConfig:
       self._check_deepseek_v4()
     if self.architecture == "qwen4_exp":
       self._check_qwen4_exp()
+    elif self.ple_layer_ids:
+      raise ValueError(f"model.ple_layer_ids={self.ple_layer_ids}: only qwen4_exp has n-gram (Engram) embeddings.")
 
   def _check_hyper_connections(self):
     if not isinstance(self.hc_mult, int) or self.hc_mult < 0:
@@ -233,6 +256,25 @@ class ModelConfig:
       raise ValueError(f"model.qsa_block={self.qsa_block} must be >= 1 and qk_rope_dim <= head_dim.")
     if "gated_deltanet" in self.layer_types:
       self._check_gated_deltanet()
+    if self.ple_layer_ids:
+      self._check_engram()
+
+  def _check_engram(self):
+    ids = self.ple_layer_ids
+    if list(ids) != sorted(set(ids)) or ids[0] < 1 or ids[-1] > self.n_layers:
+      raise ValueError(f"model.ple_layer_ids={ids} must be increasing one-indexed layer ids in [1, {self.n_layers}].")
+    for name in ("ple_embed_dim", "ple_conv_kernel", "ngram_heads_per_order", "ngram_vocab_base",
+                 "ngram_vocab_multiple"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"model.{name} must be a positive int when ple_layer_ids is set, got {name}={value!r}.")
+    heads = (self.ngram_size - 1) * self.ngram_heads_per_order
+    if self.ngram_size < 2 or self.ple_embed_dim % heads:
+      raise ValueError(f"model.ngram_size={self.ngram_size} must be >= 2 and ple_embed_dim={self.ple_embed_dim} "
+                       f"a multiple of the {heads} n-gram heads ((ngram_size - 1) * ngram_heads_per_order).")
+    if not 0 <= self.eos_token_id < self.vocab_size:
+      raise ValueError(f"model.eos_token_id={self.eos_token_id} must be a token id in [0, vocab_size="
+                       f"{self.vocab_size}) when ple_layer_ids is set: n-grams stop at it.")
 
   def _check_gated_deltanet(self):
     for name in ("linear_n_key_heads", "linear_n_value_heads", "linear_key_dim", "linear_value_dim",
@@ -273,7 +315,7 @@ class ModelConfig:
     unknown = sorted(set(values) - known)
     if unknown:
       raise ValueError(f"unknown model config keys {unknown}; known keys: {sorted(known)}.")
-    for name in ("compress_ratios", "layer_types"):  # ConfigDicts hold lists; the config, tuples
+    for name in ("compress_ratios", "layer_types", "ple_layer_ids"):  # ConfigDicts hold lists; the config, tuples
       if name in values:
         values[name] = tuple(values[name])
     return cls(**values)

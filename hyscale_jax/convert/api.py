@@ -13,10 +13,10 @@ from flax import nnx
 
 from hyscale_jax import models
 from hyscale_jax.convert import hf_config
-from hyscale_jax.convert.names import TensorRule, tensor_rules
+from hyscale_jax.convert.names import TensorRule, constant_tensors, tensor_rules
 from hyscale_jax.convert.safetensors_dir import CheckpointReader, CheckpointWriter
 from hyscale_jax.layers.moe import RouterBias
-from hyscale_jax.model_config import ModelConfig
+from hyscale_jax.model_config import PROVENANCE_FIELDS, ModelConfig
 
 # What a checkpoint holds: the parameters and the MoE router bias (moved by load, not by gradients).
 CHECKPOINT_VARIABLES = nnx.Any(nnx.Param, RouterBias)
@@ -74,12 +74,17 @@ def load_weights(model: nnx.Module, directory: str, *, sharding: ShardingSpec = 
   """
   rules, flat = _rules(model)
   reader = CheckpointReader(directory)
-  expected = {name for rule in rules for name in rule.hf}
+  constants = constant_tensors(model.cfg)
+  expected = {name for rule in rules for name in rule.hf} | set(constants)
   missing, unknown = expected - reader.names(), reader.names() - expected
   if missing or unknown:
     raise CheckpointMismatchError(
         f"{directory!r} does not match the {model.cfg.architecture} model of its config: "
         f"{len(missing)} missing tensors {_listing(missing)}; {len(unknown)} unknown tensors {_listing(unknown)}.")
+  for name, value in constants.items():
+    stored = reader.read(name)
+    if stored.shape != value.shape or not np.array_equal(stored, value):
+      raise CheckpointMismatchError(f"{name} holds {stored.tolist()}, but the config fixes it to {value.tolist()}.")
   values = {}
   for rule in rules:
     variable = flat[rule.ours]
@@ -132,6 +137,8 @@ def export_checkpoint(model: nnx.Module, directory: str, *, max_shard_bytes: int
     value = np.asarray(jax.device_get(flat[rule.ours][...]))
     for name, array in zip(rule.hf, rule.to_hf(value), strict=True):
       writer.add(name, array)
+  for name, array in constant_tensors(model.cfg).items():
+    writer.add(name, array)
   writer.close()
   with open(os.path.join(directory, "config.json"), "w") as f:
     json.dump(config, f, indent=2, sort_keys=True)
@@ -145,5 +152,6 @@ def config_mismatches(imported: ModelConfig, configured: ModelConfig) -> dict[st
 
 
 def model_config_dict(cfg: ModelConfig) -> dict:
-  """`cfg` as the plain dict `--config.model.*` overrides take (tuples as lists)."""
-  return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
+  """`cfg` as the plain dict `--config.model.*` overrides take (tuples as lists; not `hf_config`)."""
+  return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()
+          if k not in PROVENANCE_FIELDS}

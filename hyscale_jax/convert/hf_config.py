@@ -1,17 +1,25 @@
 """Hugging Face `config.json` <-> `ModelConfig`, one function pair per architecture.
 
-Fields map one to one. A value we do not implement (YaRN RoPE, hash-routed MoE layers, Gated DeltaNet
-where it cannot be built, ...) is an error naming the field, never silently dropped. Where transformers
-departs from DeepSeek's reference, the `ModelConfig` flag that carries the choice is set here
-(`indexer_rope_interleave`, `indexer_rope_first`, `indexer_scoring_relu`, `indexer_hadamard`).
+Fields map one to one. A value we do not implement (YaRN RoPE, hash-routed MoE layers, ...) is an
+error naming the field, never silently dropped: each `*_from_hf` notes every such field in a
+`_Problems` list, and `from_hf` raises one `UnsupportedConfigError` naming them all, before any
+tensor is read. Where transformers departs from DeepSeek's reference, the `ModelConfig` flag that
+carries the choice is set here (`indexer_rope_interleave`, `indexer_rope_first`, ...).
+
+Import keeps the whole config.json in `ModelConfig.hf_config`; export writes it back with the
+fields we own (what `*_to_hf` returns) updated, so the exported folder keeps every field (e.g.
+`max_position_embeddings`, `mrope_section`). A config that was not imported starts from
+transformers' defaults for its model type (`hf_defaults.json`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any
 
-from hyscale_jax.model_config import EXECUTION_FIELDS, ModelConfig, index_share_full_layer
+from hyscale_jax.model_config import EXECUTION_FIELDS, PROVENANCE_FIELDS, ModelConfig, index_share_full_layer
 
 _V4_KINDS = {"sliding_attention": "swa", "compressed_sparse_attention": "csa",
              "heavily_compressed_attention": "hca"}
@@ -19,24 +27,40 @@ _QWEN_KINDS = {"indexed_attention": "qsa", "full_attention": "qsa", "linear_atte
 
 
 class UnsupportedConfigError(ValueError):
-  """The checkpoint's config.json asks for something our models do not implement."""
+  """The checkpoint's config.json asks for something our models do not implement.
+
+  Its message is one line, `<model_type>: <field>=<value> <why>; <field>=<value> <why>...`, naming
+  every unsupported field of the config at once.
+  """
 
 
-def _require(hf: dict, field: str, allowed, model_type: str) -> None:
-  value = hf.get(field)
-  if value not in allowed:
-    raise UnsupportedConfigError(f"{model_type}: config.json {field}={value!r} is not supported (only {allowed}).")
+class _Problems:
+  """The unsupported fields of one config.json, gathered so that one error names them all."""
+
+  def __init__(self, model_type: str):
+    self.model_type, self.items = model_type, []
+
+  def add(self, field: str, value: Any, why: str) -> None:
+    self.items.append(f"{field}={value!r} {why}")
+
+  def require(self, hf: dict, field: str, allowed) -> None:
+    if hf.get(field) not in allowed:
+      self.add(field, hf.get(field), f"is not supported (only {allowed})")
+
+  def raise_any(self) -> None:
+    if self.items:
+      raise UnsupportedConfigError(f"{self.model_type}: " + "; ".join(self.items))
 
 
-def _rope_theta(params: dict | None, field: str, model_type: str) -> float:
+def _rope_theta(params: dict | None, field: str, problems: _Problems) -> float:
   params = params or {}
   if params.get("rope_type", "default") != "default":
-    raise UnsupportedConfigError(f"{model_type}: config.json {field}.rope_type={params['rope_type']!r}: only "
-                                 "'default' RoPE is implemented (no YaRN scaling).")
-  return float(params["rope_theta"])
+    problems.add(f"{field}.rope_type", params["rope_type"], "is not supported: only 'default' RoPE is implemented "
+                 "(no YaRN scaling)")
+  return float(params.get("rope_theta", 0.0))
 
 
-def _index_share(indexer_types: list[str], model_type: str) -> tuple[int, int]:
+def _index_share(indexer_types: list[str], problems: _Problems) -> tuple[int, int]:
   """(index_topk_freq, index_topk_offset) that reproduce a per-layer "full"/"shared" list."""
   n = len(indexer_types)
   for freq in range(1, n + 1):
@@ -44,24 +68,25 @@ def _index_share(indexer_types: list[str], model_type: str) -> tuple[int, int]:
       pattern = ["full" if index_share_full_layer(i, freq, offset) else "shared" for i in range(n)]
       if pattern == list(indexer_types):
         return freq, offset
-  raise UnsupportedConfigError(f"{model_type}: indexer_types={indexer_types} is not a frequency/offset "
-                               "IndexShare pattern that model.index_topk_freq/offset can express.")
+  problems.add("indexer_types", indexer_types, "is not a frequency/offset IndexShare pattern that "
+               "model.index_topk_freq/offset can express")
+  return 1, 0
 
 
-def glm_from_hf(hf: dict) -> dict:
+def glm_from_hf(hf: dict, problems: _Problems) -> dict:
   n = hf["num_hidden_layers"]
   mlp_types = hf.get("mlp_layer_types") or ["dense"] * hf["first_k_dense_replace"] + ["sparse"] * n
   first_k_dense = mlp_types.count("dense")
   if mlp_types[:n] != ["dense"] * first_k_dense + ["sparse"] * (n - first_k_dense):
-    raise UnsupportedConfigError(f"glm_moe_dsa: mlp_layer_types={mlp_types} is not dense layers then MoE layers.")
+    problems.add("mlp_layer_types", mlp_types, "is not dense layers then MoE layers")
   for field in ("attention_bias", "mlp_bias"):
-    _require(hf, field, (False, None), "glm_moe_dsa")
-  _require(hf, "hidden_act", ("silu",), "glm_moe_dsa")
-  freq, offset = _index_share(hf["indexer_types"], "glm_moe_dsa")
+    problems.require(hf, field, (False, None))
+  problems.require(hf, "hidden_act", ("silu",))
+  freq, offset = _index_share(hf["indexer_types"], problems)
   return dict(
       architecture="glm_moe_dsa", vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=n,
       first_k_dense=first_k_dense, dense_inter=hf["intermediate_size"], rms_eps=hf["rms_norm_eps"],
-      rope_theta=_rope_theta(hf.get("rope_parameters"), "rope_parameters", "glm_moe_dsa"),
+      rope_theta=_rope_theta(hf.get("rope_parameters"), "rope_parameters", problems),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), n_heads=hf["num_attention_heads"],
       q_lora_rank=hf["q_lora_rank"], kv_lora_rank=hf["kv_lora_rank"], qk_nope_dim=hf["qk_nope_head_dim"],
       qk_rope_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], n_routed_experts=hf["n_routed_experts"],
@@ -101,32 +126,32 @@ def glm_to_hf(cfg: ModelConfig) -> dict:
       hidden_act="silu", attention_bias=False, dtype=cfg.param_dtype)
 
 
-def deepseek_v4_from_hf(hf: dict) -> dict:
+def deepseek_v4_from_hf(hf: dict, problems: _Problems) -> dict:
   n = hf["num_hidden_layers"]
   rates = hf["compress_rates"]
   kinds = [_V4_KINDS.get(t) for t in hf["layer_types"]]
   if None in kinds:
-    raise UnsupportedConfigError(f"deepseek_v4: layer_types={hf['layer_types']} has unknown entries.")
+    problems.add("layer_types", hf["layer_types"], f"has unknown entries (known: {sorted(_V4_KINDS)})")
   ratio = {"swa": 0, "csa": rates["compressed_sparse_attention"], "hca": rates["heavily_compressed_attention"]}
   if ratio["csa"] == ratio["hca"]:
-    raise UnsupportedConfigError(f"deepseek_v4: compress_rates={rates} must differ between CSA and HCA.")
+    problems.add("compress_rates", rates, "must differ between CSA and HCA")
   hash_layers = [i for i, t in enumerate(hf.get("mlp_layer_types") or []) if t != "moe"]
   if hash_layers:
-    raise UnsupportedConfigError(f"deepseek_v4: layers {hash_layers} use hash-routed MoE (mlp_layer_types), "
-                                 "which is not implemented; only 'moe' layers are.")
-  _require(hf, "num_key_value_heads", (1,), "deepseek_v4")
-  _require(hf, "hidden_act", ("silu",), "deepseek_v4")
+    problems.add("mlp_layer_types", hf["mlp_layer_types"], f"is not supported: layers {hash_layers} use "
+                 "hash-routed MoE, which is not implemented; only 'moe' layers are")
+  problems.require(hf, "num_key_value_heads", (1,))
+  problems.require(hf, "hidden_act", ("silu",))
   rope = hf["rope_parameters"]
   head_dim = hf["head_dim"]
   rope_dim = int(head_dim * hf["partial_rotary_factor"])
   return dict(
       architecture="deepseek_v4", vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=n,
       first_k_dense=0, rms_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      rope_theta=_rope_theta(rope["main"], "rope_parameters.main", "deepseek_v4"),
-      compress_rope_theta=_rope_theta(rope["compress"], "rope_parameters.compress", "deepseek_v4"),
+      rope_theta=_rope_theta(rope["main"], "rope_parameters.main", problems),
+      compress_rope_theta=_rope_theta(rope["compress"], "rope_parameters.compress", problems),
       n_heads=hf["num_attention_heads"], head_dim=head_dim, qk_rope_dim=rope_dim, q_lora_rank=hf["q_lora_rank"],
       o_groups=hf["o_groups"], o_lora_rank=hf["o_lora_rank"], sliding_window=hf["sliding_window"],
-      compress_ratios=tuple(ratio[k] for k in kinds), csa_ratio=ratio["csa"],
+      compress_ratios=tuple(ratio.get(k, 0) for k in kinds), csa_ratio=ratio["csa"],
       index_n_heads=hf["index_n_heads"], index_head_dim=hf["index_head_dim"], index_topk=hf["index_topk"],
       # transformers' V4 indexer ropes its queries and compressed keys with the attention's rope
       # slice width (qk_rope_dim), interleaved, at the tail; no Hadamard (DeepSeek's FP8 path has one).
@@ -170,26 +195,38 @@ def deepseek_v4_to_hf(cfg: ModelConfig) -> dict:
       dtype=cfg.param_dtype)
 
 
-def qwen4_exp_from_hf(hf: dict) -> dict:
+def _engram_from_hf(hf: dict, problems: _Problems) -> dict:
+  """The Engram / PLE fields (transformers' defaults for absent ones); {} without PLE layers."""
+  if not hf.get("ple_layer_ids"):
+    return {}
+  eos = hf.get("eos_token_id")
+  eos = eos[0] if isinstance(eos, list) and eos else eos
+  if not isinstance(eos, int):
+    problems.add("eos_token_id", hf.get("eos_token_id"), "must be set with ple_layer_ids (n-grams stop at it)")
+  return dict(
+      ple_layer_ids=tuple(sorted(set(hf["ple_layer_ids"]))), ple_embed_dim=hf.get("ple_embed_dim") or hf["hidden_size"],
+      ple_conv_kernel=hf.get("ple_conv_kernel_size", 4), ngram_size=hf.get("ngram_size", 3),
+      ngram_heads_per_order=hf.get("heads_per_ngram", 8), ngram_vocab_base=hf.get("ngram_vocab_size_base", 20_000_000),
+      ngram_vocab_multiple=hf.get("make_ngram_vocab_size_divisible_by", 128), ngram_seed=hf.get("seed", 1234),
+      eos_token_id=eos if isinstance(eos, int) else -1)
+
+
+def qwen4_exp_from_hf(hf: dict, problems: _Problems) -> dict:
   hf = hf.get("text_config") or hf
   kinds = [_QWEN_KINDS.get(t) for t in hf["layer_types"]]
   if None in kinds:
-    raise UnsupportedConfigError(f"qwen4_exp: layer_types={hf['layer_types']} has unknown entries.")
-  if hf.get("ple_layer_ids"):
-    raise UnsupportedConfigError(f"qwen4_exp: ple_layer_ids={hf['ple_layer_ids']}: per-layer (n-gram) "
-                                 "embeddings are not implemented.")
-  _require(hf, "indexer_kv_heads", (1,), "qwen4_exp")
-  _require(hf, "attention_bias", (False, None), "qwen4_exp")
+    problems.add("layer_types", hf["layer_types"], f"has unknown entries (known: {sorted(_QWEN_KINDS)})")
+  problems.require(hf, "indexer_kv_heads", (1,))
+  problems.require(hf, "attention_bias", (False, None))
   shared, inter = hf["shared_expert_intermediate_size"], hf["moe_intermediate_size"]
   if shared % inter:
-    raise UnsupportedConfigError(f"qwen4_exp: shared_expert_intermediate_size={shared} is not a multiple of "
-                                 f"moe_intermediate_size={inter}.")
+    problems.add("shared_expert_intermediate_size", shared, f"is not a multiple of moe_intermediate_size={inter}")
   rope = hf["rope_parameters"]
   rope_dim = int(hf["head_dim"] * rope.get("partial_rotary_factor", 1.0))
   return dict(
       architecture="qwen4_exp", vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
       n_layers=hf["num_hidden_layers"], first_k_dense=0, rms_eps=hf["rms_norm_eps"],
-      rope_theta=_rope_theta(rope, "rope_parameters", "qwen4_exp"),
+      rope_theta=_rope_theta(rope, "rope_parameters", problems), **_engram_from_hf(hf, problems),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), layer_types=tuple(kinds),
       n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"],
       qk_rope_dim=rope_dim, index_n_heads=hf["indexer_n_heads"], index_head_dim=hf["indexer_head_dim"],
@@ -218,7 +255,11 @@ def qwen4_exp_to_hf(cfg: ModelConfig) -> dict:
         f"{cfg.index_rope_dim=}, {cfg.qk_rope_dim=}, {cfg.hc_mult=}, {cfg.shared_expert_gate=}, "
         f"{cfg.router_bias=}, {cfg.indexer_norm_zero_centered=}.")
   names = {"qsa": "indexed_attention", "gated_deltanet": "linear_attention"}
-  return dict(
+  engram = {} if not cfg.ple_layer_ids else dict(
+      ple_embed_dim=cfg.ple_embed_dim, ple_conv_kernel_size=cfg.ple_conv_kernel, ngram_size=cfg.ngram_size,
+      heads_per_ngram=cfg.ngram_heads_per_order, ngram_vocab_size_base=cfg.ngram_vocab_base,
+      make_ngram_vocab_size_divisible_by=cfg.ngram_vocab_multiple, seed=cfg.ngram_seed, eos_token_id=cfg.eos_token_id)
+  return dict(**engram,
       architectures=["Qwen4ExpForCausalLM"], model_type="qwen4_exp_text", vocab_size=cfg.vocab_size,
       hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, rms_norm_eps=cfg.rms_eps,
       rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
@@ -229,7 +270,8 @@ def qwen4_exp_to_hf(cfg: ModelConfig) -> dict:
       indexer_budget=cfg.index_topk * cfg.qsa_block, indexer_compress_ratio=cfg.qsa_block,
       num_experts=cfg.n_routed_experts, num_experts_per_tok=cfg.experts_per_token,
       moe_intermediate_size=cfg.moe_inter, shared_expert_intermediate_size=cfg.moe_inter * cfg.n_shared_experts,
-      norm_topk_prob=cfg.norm_topk_prob, hc_count=cfg.hc_mult, hc_lowrank=cfg.hc_lowrank, ple_layer_ids=[],
+      norm_topk_prob=cfg.norm_topk_prob, hc_count=cfg.hc_mult, hc_lowrank=cfg.hc_lowrank,
+      ple_layer_ids=list(cfg.ple_layer_ids), number_of_conv_states=3 if cfg.ple_layer_ids else 1,
       linear_num_key_heads=cfg.linear_n_key_heads, linear_num_value_heads=cfg.linear_n_value_heads,
       linear_key_head_dim=cfg.linear_key_dim, linear_value_head_dim=cfg.linear_value_dim,
       linear_conv_kernel_dim=cfg.linear_conv_kernel, output_gate_type=cfg.linear_output_gate,
@@ -241,26 +283,71 @@ _FROM_HF = {"glm_moe_dsa": glm_from_hf, "deepseek_v4": deepseek_v4_from_hf, "qwe
 _TO_HF = {"glm_moe_dsa": glm_to_hf, "deepseek_v4": deepseek_v4_to_hf, "qwen4_exp": qwen4_exp_to_hf}
 
 
+_DEFAULTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_defaults.json")
+
+
 def from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
-  """Our ModelConfig for a transformers `config.json` dict; `overrides` set non-architectural fields."""
+  """Our ModelConfig for a transformers `config.json` dict; `overrides` set non-architectural fields.
+
+  The dict itself is kept (`hf_config`, JSON text) for `to_hf`.
+
+  Raises:
+    UnsupportedConfigError: one line naming every field of `hf` we do not implement (or a missing one).
+  """
   model_type = hf.get("model_type")
   if model_type not in _FROM_HF:
-    raise UnsupportedConfigError(f"config.json model_type={model_type!r} is not one of {sorted(_FROM_HF)}.")
-  fields = _FROM_HF[model_type](hf)
+    raise UnsupportedConfigError(f"{model_type}: model_type={model_type!r} is not supported (only {sorted(_FROM_HF)})")
+  problems = _Problems(model_type)
+  try:
+    fields = _FROM_HF[model_type](hf, problems)
+  except KeyError as missing:
+    problems.add(str(missing.args[0]), None, "is missing from config.json and has no default")
+  problems.raise_any()
   dtype = hf.get("dtype") or hf.get("torch_dtype")
   if dtype in ("float32", "bfloat16") and "param_dtype" not in overrides:
     fields["param_dtype"] = dtype
+  fields["hf_config"] = json.dumps(hf, sort_keys=True)
   fields.update(overrides)
   return ModelConfig(**fields)
 
 
+def defaults(model_type: str) -> dict[str, Any]:
+  """transformers' config.json for `model_type` with every field at its default (`hf_defaults.json`)."""
+  with open(_DEFAULTS_FILE) as f:
+    return json.load(f)[model_type]
+
+
+def _overlay(base: dict, ours: dict) -> dict:
+  """`base` with `ours` written over it; nested dicts (rope_parameters) merge key by key."""
+  merged = dict(base)
+  for key, value in ours.items():
+    old = merged.get(key)
+    if isinstance(value, dict) and isinstance(old, dict):
+      merged[key] = _overlay(old, value)
+    elif not (isinstance(old, list) and old and old[0] == value and key == "eos_token_id"):
+      merged[key] = value  # (a list of EOS ids whose first is ours stays as it was)
+  return merged
+
+
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
-  """The transformers `config.json` dict for `cfg` (an error for fields transformers cannot express)."""
+  """The transformers `config.json` dict for `cfg` (an error for fields transformers cannot express).
+
+  Every field of the config.json `cfg` was imported from (`cfg.hf_config`), or else of transformers'
+  defaults for the model type, with the fields `cfg` fixes written over them.
+  """
   if cfg.architecture not in _TO_HF:
     raise UnsupportedConfigError(f"no export for model.architecture={cfg.architecture!r}.")
-  return _TO_HF[cfg.architecture](cfg)
+  ours = _TO_HF[cfg.architecture](cfg)
+  base = json.loads(cfg.hf_config) if cfg.hf_config else defaults(ours["model_type"])
+  return _overlay(base, ours)
+
+
+def original_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """The config.json `cfg` was imported from ({} if none)."""
+  return json.loads(cfg.hf_config) if cfg.hf_config else {}
 
 
 def architectural_fields(cfg: ModelConfig) -> dict[str, Any]:
-  """The fields a checkpoint fixes (everything but `model_config.EXECUTION_FIELDS`), for comparisons."""
-  return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in EXECUTION_FIELDS}
+  """The fields a checkpoint fixes (all but `EXECUTION_FIELDS` and `PROVENANCE_FIELDS`), for comparisons."""
+  skip = EXECUTION_FIELDS | PROVENANCE_FIELDS
+  return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}

@@ -7,17 +7,21 @@ layout `save_pretrained` writes by default, DeepSeek's own: `attn.wq_a`, `ffn.ex
 `hc_attn_fn`...; our residual-stream connections `attn_hc`, `mlp_hc`, `hc_head` take each
 architecture's names) and two layouts that are not a rename: stacked experts (one [E, D, F] array
 here, E tensors there) and DeepSeek-V4's grouped output projection `wo_a` ([G, in, o] here, [G * o,
-in] there).
+in] there). Qwen4-Exp's Engram n-gram table is one [rows, E / H] array here and `split_ngram_parts`
+row shards there (as `save_pretrained` writes it); the int64 hash constants transformers stores
+beside it are fixed by the config (`constant_tensors`: checked on import, written on export).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Callable, Iterator
 
 import numpy as np
 
+from hyscale_jax.layers import engram
 from hyscale_jax.model_config import ModelConfig
 
 Path = tuple  # a path in the flat NNX state, e.g. ("layers", 0, "mlp", "gate", "kernel")
@@ -105,6 +109,58 @@ def _stack_transposed(shape: tuple[int, ...]) -> Callable[[Iterator[np.ndarray]]
   return stack
 
 
+# transformers' default row-shard count of an Engram table (`split_ngram_parts`).
+NGRAM_SPLIT_PARTS = 512
+
+
+def _row_shards(rows: int, parts: int) -> list[int]:
+  """Rows per shard of `torch.chunk(table, parts)`: ceil(rows / parts) each, the last one shorter (and
+  fewer than `parts` shards when the rows run out first)."""
+  size = -(-rows // parts)
+  return [min(size, rows - start) for start in range(0, rows, size)]
+
+
+def _concat_rows(shape: tuple[int, ...], counts: list[int]) -> Callable[[Iterator[np.ndarray]], np.ndarray]:
+  """Fills one [rows, ...] array from its row shards, each dropped once copied in."""
+
+  def concat(arrays):
+    table, start = None, 0
+    for k, (array, count) in enumerate(zip(arrays, counts, strict=True)):
+      if array.shape != (count, *shape[1:]):
+        raise ValueError(f"shard {k} has shape {array.shape}, the table needs {(count, *shape[1:])}")
+      if table is None:
+        table = np.empty(shape, array.dtype)
+      table[start:start + count] = array
+      start += count
+    return table
+
+  return concat
+
+
+def _ngram_table_rule(cfg: ModelConfig, path: Path, shape: tuple[int, ...], name: str) -> TensorRule:
+  parts = json.loads(cfg.hf_config or "{}").get("split_ngram_parts", NGRAM_SPLIT_PARTS)
+  counts = _row_shards(shape[0], parts)
+  starts = np.cumsum([0, *counts[:-1]])
+  return TensorRule(path, tuple(f"{name}.shard_{k}.weight" for k in range(len(counts))), _concat_rows(shape, counts),
+                    lambda a: [a[start:start + count] for start, count in zip(starts, counts)])
+
+
+def constant_tensors(cfg: ModelConfig) -> dict[str, np.ndarray]:
+  """Checkpoint tensors that are not parameters but fixed by the config: Qwen4-Exp's Engram hash
+  constants (`layer_multipliers`, `ngram_heads_vocab_sizes`, `ngram_heads_offsets`, int64), by name."""
+  constants = {}
+  for ple_index, layer_id in enumerate(cfg.ple_layer_ids):
+    for key, value in engram.checkpoint_constants(cfg, ple_index).items():
+      constants[f"model.layers.{layer_id - 1}.ple.ple_embedding.{key}"] = value
+  return constants
+
+
+def _depthwise_conv_rule(path: Path, name: str) -> TensorRule:
+  """A depthwise conv kernel: [K, C] here, torch's Conv1d [C, 1, K] there."""
+  return TensorRule(path, (name,), lambda a: np.ascontiguousarray(_single(a)[:, 0].T),
+                    lambda a: [np.ascontiguousarray(a.T[:, None])])
+
+
 def _rule_for(cfg: ModelConfig, path: Path, shape: tuple[int, ...]) -> TensorRule:
   arch = cfg.architecture
   if path == ("lm_head", "kernel"):
@@ -119,13 +175,16 @@ def _rule_for(cfg: ModelConfig, path: Path, shape: tuple[int, ...]) -> TensorRul
     return TensorRule(path, names, _stack_transposed(shape), lambda a: [x.T for x in a])
   for pattern, replacement in _RENAMES[arch]:
     local = re.sub(pattern, replacement, local)
+  if local == "ple.ple_embedding.ngram_embedding.embedding":
+    return _ngram_table_rule(cfg, path, shape, prefix + "ple.ple_embedding.ngram_embedding")
+  if local == "ple.conv1d":
+    return _depthwise_conv_rule(path, prefix + "ple.conv1d.weight")
   if arch == "qwen4_exp" and path[0] == "layers" and cfg.layer_types[int(path[1])] == "gated_deltanet":
     # Gated DeltaNet is transformers' `linear_attn`; its depthwise conv kernel is [K, C] here and
     # torch's Conv1d [C, 1, K] there, and its gated norm's weight is our `norm` array.
     local = re.sub(r"^self_attn\.", "linear_attn.", local)
     if local == "linear_attn.conv1d":
-      return TensorRule(path, (prefix + local + ".weight",), lambda a: np.ascontiguousarray(_single(a)[:, 0].T),
-                        lambda a: [np.ascontiguousarray(a.T[:, None])])
+      return _depthwise_conv_rule(path, prefix + local + ".weight")
     local += ".weight" if local == "linear_attn.norm" else ""
   leaf = local.rsplit(".", 1)[-1]
   if arch == "deepseek_v4" and local.endswith("attn.wo_a"):  # [G, in, o] <-> [G * o, in]

@@ -17,17 +17,18 @@ _GATES = {"sigmoid": jax.nn.sigmoid, "silu": jax.nn.silu}
 
 
 def causal_depthwise_conv(x: Float[Array, "B T C"], kernel: Float[Array, "K C"],
-                          segment_ids: Int[Array, "B T"]) -> Float[Array, "B T C"]:
-  """out[t] = sum_j kernel[j] * x[t - (K-1) + j] over the taps in t's document (others count as 0).
+                          segment_ids: Int[Array, "B T"], *, dilation: int = 1) -> Float[Array, "B T C"]:
+  """out[t] = sum_j kernel[j] * x[t - (K-1-j) * dilation] over the taps in t's document (others count as 0).
 
-  transformers' `causal_conv1d_fn` (a depthwise conv1d padded by K-1 on the left) with the window
-  cut at document starts, so packed documents do not see each other. Computed in f32 as K shifted
-  products: a sequence split over a mesh axis needs only a (K-1)-token halo, which XLA inserts.
+  transformers' `causal_conv1d_fn` (a depthwise conv1d padded by (K-1) * dilation on the left) with
+  the window cut at document starts, so packed documents do not see each other. Computed in f32 as
+  K shifted products: a sequence split over a mesh axis needs only a (K-1) * dilation token halo,
+  which XLA inserts.
   """
   K, T = kernel.shape[0], x.shape[1]
   xf, out = x.astype(jnp.float32), jnp.zeros(x.shape, jnp.float32)
   for j in range(K):
-    shift = K - 1 - j
+    shift = (K - 1 - j) * dilation
     if shift >= T:
       continue
     past = jnp.pad(xf, ((0, 0), (shift, 0), (0, 0)))[:, :T]

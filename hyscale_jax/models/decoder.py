@@ -70,16 +70,17 @@ class DecoderLayer(nnx.Module):
   sparse attention for DeepSeek-V4); it returns an `AttentionOutput`. With hyper-connections
   (`attn_hc`, `mlp_hc`: layers/hyper_connections.py) the residual is [B, T, N, D] streams that
   each connection collapses into the block input and updates with its output; a connection that
-  `replaces_pre_norm` leaves the block without its RMSNorm.
+  `replaces_pre_norm` leaves the block without its RMSNorm. `ple` (Qwen3.8-Flash-Next's Engram
+  layer, layers/engram.py), if given, adds the tokens' n-gram embedding to the streams first.
   """
 
   def __init__(self, cfg: ModelConfig, layer: int, attention: nnx.Module, *, rngs: nnx.Rngs,
-               attn_hc: nnx.Module | None = None, mlp_hc: nnx.Module | None = None):
+               attn_hc: nnx.Module | None = None, mlp_hc: nnx.Module | None = None, ple: nnx.Module | None = None):
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     norm = lambda hc: None if hc is not None and hc.replaces_pre_norm else nnx.RMSNorm(
         cfg.d_model, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype,
         scale_metadata=shd.param(shd.NORM))
-    self.attn_hc, self.mlp_hc = attn_hc, mlp_hc
+    self.attn_hc, self.mlp_hc, self.ple = attn_hc, mlp_hc, ple
     self.input_layernorm = norm(attn_hc)
     self.self_attn = attention
     self.post_attention_layernorm = norm(mlp_hc)
@@ -93,10 +94,14 @@ class DecoderLayer(nnx.Module):
       self.mlp = MLP(cfg.d_model, cfg.dense_inter, swiglu_limit=cfg.swiglu_limit, rngs=rngs, dtype=dtype,
                      param_dtype=pdtype)
 
-  def __call__(self, x, positions, segment_ids, *, dense=False, shared_indices=None, backends=None):
+  def __call__(self, x, positions, segment_ids, *, dense=False, shared_indices=None, backends=None, tokens=None):
     """x [B, T, D] (or streams [B, T, N, D]) -> (x like the input, indices or None, indexer_loss or None,
-    expert_load f32[E] or None)."""
+    expert_load f32[E] or None). `tokens` i32[B, T]: the input token ids (read by `ple` only)."""
     prenorm = lambda norm, h: h if norm is None else norm(h)
+    if self.ple is not None:
+      if tokens is None:
+        raise ValueError("DecoderLayer: this layer has an n-gram embedding (`ple`) and needs tokens=i32[B, T].")
+      x = x + self.ple(x, tokens, segment_ids)
     h, mix = _enter(self.attn_hc, x)
     attn = self.self_attn(prenorm(self.input_layernorm, h), positions, segment_ids, dense=dense,
                           shared_indices=shared_indices, backends=backends)
@@ -131,6 +136,10 @@ class Decoder(nnx.Module):
     """The final collapse of the residual streams into [B, T, D]; used when cfg.hc_mult > 0."""
     raise ValueError(f"model.hc_mult={cfg.hc_mult}: {cfg.architecture} has no hyper-connections.")
 
+  def make_layer_embedding(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module | None:
+    """Layer `layer`'s token-id embedding added to its input (`DecoderLayer.ple`), or None (the default)."""
+    return None
+
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     pdtype = jnp.dtype(cfg.param_dtype)
@@ -138,7 +147,8 @@ class Decoder(nnx.Module):
                                   dtype=jnp.dtype(cfg.dtype), embedding_metadata=shd.param(shd.VOCAB, shd.EMBED))
     connection = lambda: self.make_hyper_connection(cfg, rngs) if cfg.hc_mult else None
     self.layers = nnx.List([DecoderLayer(cfg, i, self.make_attention(cfg, i, rngs), rngs=rngs,
-                                         attn_hc=connection(), mlp_hc=connection())
+                                         attn_hc=connection(), mlp_hc=connection(),
+                                         ple=self.make_layer_embedding(cfg, i, rngs))
                             for i in range(cfg.n_layers)])
     self.hc_head = self.make_stream_head(cfg, rngs) if cfg.hc_mult else None
     self.norm = None if self.hc_head is not None and self.hc_head.replaces_final_norm else nnx.RMSNorm(
@@ -177,7 +187,7 @@ class Decoder(nnx.Module):
             for start, period, repeats, direct in self.layer_runs() if repeats > direct
             for j in range(period)]
 
-  def _run_layers(self, x, positions, segment_ids, activation_axes, *, dense, backends):
+  def _run_layers(self, x, positions, segment_ids, activation_axes, *, dense, backends, tokens=None):
     """The layer stack: x [B, T, D] (or streams [B, T, N, D]) -> (x, indexer losses, expert loads).
 
     The losses (f32[] each) and loads (f32[E] each) are per-layer lists in layer order. Each layer
@@ -196,9 +206,10 @@ class Decoder(nnx.Module):
     folds into the stored arrays, and neither copy nor slices remain.
     """
     policy = self.cfg.remat_policy
-    def run_layer(graphdef, state, x, positions, segment_ids, shared_indices):
+    def run_layer(graphdef, state, x, positions, segment_ids, shared_indices, tokens):
       layer = nnx.merge(graphdef, state)  # a pure function of the layer's state, for jax.checkpoint
-      return layer(x, positions, segment_ids, dense=dense, shared_indices=shared_indices, backends=backends)
+      return layer(x, positions, segment_ids, dense=dense, shared_indices=shared_indices, backends=backends,
+                   tokens=tokens)
 
     if policy != "none":
       T = x.shape[1]
@@ -212,7 +223,7 @@ class Decoder(nnx.Module):
         # Between layers the activations are split over batch and sequence, whole in D: FSDP gathers
         # the weights rather than splitting the activations' width.
         x = shd.shard(x, activation_axes)
-        x, layer_indices, indexer_loss, load = run_layer(graphdef, state, x, positions, segment_ids, indices)
+        x, layer_indices, indexer_loss, load = run_layer(graphdef, state, x, positions, segment_ids, indices, tokens)
         if owns:
           indices = layer_indices
         losses += [] if indexer_loss is None else [indexer_loss]
@@ -280,7 +291,7 @@ class Decoder(nnx.Module):
     if self.hc_head is not None:
       x, activation_axes = expand_streams(x, self.cfg.hc_mult), (shd.BATCH, shd.LENGTH, None, shd.ACT_EMBED)
     x, indexer_losses, loads = self._run_layers(x, positions, segment_ids, activation_axes, dense=dense,
-                                                backends=backends)
+                                                backends=backends, tokens=tokens)
     if self.hc_head is not None:
       x = self.hc_head(x)
     if self.norm is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from hyscale_jax.layers.engram import EngramLayer
 from hyscale_jax.layers.gated_deltanet import GatedDeltaNet
 from hyscale_jax.layers.hyper_connections import GatedResidual
 from hyscale_jax.layers.qsa import QSAAttention
@@ -18,15 +19,21 @@ class Qwen4Exp(Decoder):
   With `hc_mult` > 0 the residual is `GatedResidual` streams, which replace the pre-norms and the
   final norm (the final collapse is `hc_head`, transformers' `hyper_connection_mixer`); the shared
   expert is sigmoid-gated with `shared_expert_gate`. A "qsa" layer's mixer is `QSAAttention`, a
-  "gated_deltanet" layer's (3 of every 4 in the published model) `GatedDeltaNet`. Not implemented
-  (README feature table): the Engram n-gram embedding, MTP, and MRoPE (it reduces to 1-D RoPE for
-  text).
+  "gated_deltanet" layer's (3 of every 4 in the published model) `GatedDeltaNet`. The layers in
+  `ple_layer_ids` (one-indexed; layer 2 in the published model) first add their Engram n-gram
+  embedding (`EngramLayer`) to the streams. MRoPE is 1-D RoPE here: for text its three position
+  axes are equal, and then it reduces to 1-D RoPE. Not implemented (README feature table): MTP.
   """
 
   def make_attention(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
     if cfg.layer_types[layer] == "gated_deltanet":
       return GatedDeltaNet(cfg, rngs=rngs)
     return QSAAttention(cfg, rngs=rngs)
+
+  def make_layer_embedding(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module | None:
+    if layer + 1 not in cfg.ple_layer_ids:
+      return None
+    return EngramLayer(cfg, cfg.ple_layer_ids.index(layer + 1), rngs=rngs)
 
   def _gated_residual(self, cfg: ModelConfig, rngs: nnx.Rngs, *, inject: bool) -> GatedResidual:
     return GatedResidual(cfg.d_model, cfg.hc_mult, cfg.hc_lowrank, eps=cfg.rms_eps, inject=inject, rngs=rngs,
