@@ -1,7 +1,7 @@
 """Qwen3.8-Flash-Next (`qwen4_exp`): gated GQA with the QSA block indexer, and MoE.
 
-Variants: `full` (the published layout: Gated DeltaNet on 3 of every 4 layers, QSA on every 4th)
-and `tiny` (the same 3:1 pattern over 4 layers, CPU-sized).
+Variants: `full` (the published layout: Gated DeltaNet on 3 of every 4 layers, QSA on every 4th,
+the Engram n-gram embedding at layer 2) and `tiny` (the same over 4 layers, CPU-sized).
 The indexer trains with the block-level KL (`model.indexer_pool` = "sum" or "max"), or not at all
 with `--config.model.indexer_frozen=true --config.train.warmup_steps=0`.
 
@@ -25,6 +25,10 @@ _FULL = dict(
     # Gated DeltaNet (architectures.md §4.1): 16 q/k heads and 48 value heads of 128, conv 4, sigmoid gate.
     linear_n_key_heads=16, linear_n_value_heads=48, linear_key_dim=128, linear_value_dim=128,
     linear_conv_kernel=4, linear_output_gate="sigmoid",
+    # Engram / PLE (architectures.md §4.1) at layer 2 (one-indexed): orders 2 and 3, 8 hashed heads each, into
+    # prime tables from 20M rows (51.2B parameters of 160 features); n-grams stop at <|endoftext|>.
+    ple_layer_ids=(2,), ple_embed_dim=2560, ngram_size=3, ngram_heads_per_order=8, ngram_vocab_base=20_000_000,
+    eos_token_id=248044,
 )
 _FULL["layer_types"] = _FULL["layer_types"] * 12
 # architectures.md's tiny QSA config: a 64-token budget (16 blocks), 67 attended indices per token,
@@ -35,6 +39,8 @@ _TINY = dict(
     index_topk=16,
     n_routed_experts=8, experts_per_token=2, moe_inter=96, hc_lowrank=32,
     linear_n_key_heads=2, linear_n_value_heads=4, linear_key_dim=32, linear_value_dim=32,
+    # Engram at layer 2 with 16 heads of 16 in 4K-row tables (1M parameters); EOS is text data's id 0.
+    ple_embed_dim=256, ngram_vocab_base=4096, eos_token_id=0,
 )
 
 

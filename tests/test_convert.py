@@ -1,5 +1,6 @@
 """Hugging Face interop: parity with transformers on committed fixtures, round trips, errors, streaming."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -81,7 +82,8 @@ def _qwen_sets(ours, theirs, cfg):
 
 
 _PARITY = {"glm_moe_dsa": (_glm_layers, _glm_sets), "deepseek_v4": (_v4_layers, _v4_sets),
-           "qwen4_exp": (_qwen_layers, _qwen_sets), "qwen4_exp_gdn": (_qwen_layers, _qwen_sets)}
+           "qwen4_exp": (_qwen_layers, _qwen_sets), "qwen4_exp_gdn": (_qwen_layers, _qwen_sets),
+           "qwen4_exp_engram": (_qwen_layers, _qwen_sets)}
 
 
 @pytest.mark.parametrize("model_type", sorted(_PARITY))
@@ -90,7 +92,7 @@ def test_matches_transformers(model_type, monkeypatch):
   model = convert.import_checkpoint(str(FIXTURES / model_type), remat_policy="none")
   outputs = load_file(str(FIXTURES / model_type / "outputs.safetensors"))
   logits, selections = _run_with_selections(model, outputs["input_ids"], monkeypatch)
-  assert _relative_error(logits, outputs["logits"]) < 1e-4
+  assert _relative_error(logits, outputs["logits"]) < 1e-5
   layers = sorted(int(k.split(".")[1]) for k in outputs if k.startswith("selection."))
   assert layers == selecting_layers(model.cfg) and len(selections) == len(layers)
   for layer, ours in zip(layers, selections):
@@ -167,6 +169,53 @@ def test_one_expert_of_the_wrong_shape_is_named(tmp_path):
   tensors[name] = tensors[name][:-1]
   save_file(tensors, str(shard), metadata={"format": "pt"})
   with pytest.raises(convert.CheckpointMismatchError, match=r"experts\.0\.up_proj.*stack.*expert 2 has shape"):
+    convert.import_checkpoint(str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("model_type", sorted(_PARITY))
+def test_exported_config_json_is_the_imported_one(model_type, tmp_path):
+  original = json.loads((FIXTURES / model_type / "config.json").read_text())
+  model = convert.import_checkpoint(str(FIXTURES / model_type))
+  convert.save_native(model, str(tmp_path / "ours"))  # the original config travels through our own folder too
+  convert.export_checkpoint(convert.load_native(str(tmp_path / "ours")), str(tmp_path / "hf"))
+  assert json.loads((tmp_path / "hf" / "config.json").read_text()) == original
+
+
+@pytest.mark.parametrize("model_type", sorted(_PARITY))
+def test_config_of_a_model_not_imported_is_complete(model_type):
+  original = json.loads((FIXTURES / model_type / "config.json").read_text())
+  cfg = dataclasses.replace(convert.read_config(str(FIXTURES / model_type)), hf_config="")
+  exported = convert.to_hf(cfg)
+  # Every field transformers writes, at transformers' defaults where the model does not fix it.
+  assert set(exported) == set(original) - {"transformers_version"}
+  ours = convert.from_hf(exported)
+  assert dataclasses.replace(ours, hf_config="") == cfg
+
+
+def test_unsupported_fields_are_one_line_naming_all_before_any_tensor(tmp_path):
+  config = json.loads((FIXTURES / "qwen4_exp" / "config.json").read_text())
+  config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "yarn", "factor": 4.0}
+  config["indexer_kv_heads"] = 2
+  (tmp_path / "ckpt").mkdir()  # config.json alone: reading any tensor would fail differently
+  (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  result = subprocess.run([sys.executable, "-m", "hyscale_jax.convert", "import", str(tmp_path / "ckpt"),
+                           str(tmp_path / "ours")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 2, result.stderr[-3000:]
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+  assert lines[0].startswith("error: qwen4_exp_text: ")
+  assert "rope_parameters.rope_type='yarn'" in lines[0] and "indexer_kv_heads=2" in lines[0]
+  assert not (tmp_path / "ours").exists()
+
+
+def test_hash_constants_that_differ_from_the_config_are_refused(tmp_path):
+  shutil.copytree(FIXTURES / "qwen4_exp_engram", tmp_path / "ckpt")
+  config_path = tmp_path / "ckpt" / "config.json"
+  config = json.loads(config_path.read_text())
+  config["seed"] = 4321
+  config_path.write_text(json.dumps(config))
+  with pytest.raises(convert.CheckpointMismatchError, match=r"model.layers.1.ple.ple_embedding.layer_multipliers holds"):
     convert.import_checkpoint(str(tmp_path / "ckpt"))
 
 

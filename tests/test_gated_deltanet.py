@@ -98,9 +98,12 @@ def test_full_config_builds_at_the_published_size():
   cfg = ModelConfig.from_config(qwen3_8_flash_next.get_config("full").model)
   assert cfg.layer_types == (("gated_deltanet",) * 3 + ("qsa",)) * 12
   total, active = models.count_params(cfg)
-  # About 125B total / 6B active (architectures.md §4.1); the 6B leaves out the embedding and the head.
+  # About 125B total / 6B active (architectures.md §4.1) beside 51B of Engram n-gram tables (counted
+  # apart, as in the published figures); the 6B leaves out the embedding and the head.
   embed_and_head = 2 * cfg.vocab_size * cfg.d_model
-  assert (total, active) == (125_710_814_080, 7_274_154_880)
+  ngram_tables = 320_001_536 * 160  # 16 prime tables from 20M rows, 160 features each
+  assert (total, active) == (176_943_899_520, 7_306_997_120)
+  assert round((total - ngram_tables) / 1e9, 1) == 125.7
   assert round((active - embed_and_head) / 1e9, 1) == 6.0
 
 

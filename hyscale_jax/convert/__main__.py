@@ -3,6 +3,10 @@
 `import` reads a Hugging Face checkpoint folder (config.json, sharded safetensors, index) tensor by
 tensor and writes our folder (model_config.json + orbax params), then prints the `--config.model.*`
 settings that `train.py --config.init_from=OUT_DIR` needs. `export` writes a Hugging Face folder back.
+
+A config.json we cannot import (unsupported fields, all named at once, before any tensor is read), a
+checkpoint that does not match its config, or a missing folder is one line on stderr,
+`error: <model_type>: <field>=<value> ...`, and exit status 2, without a traceback.
 """
 
 from __future__ import annotations
@@ -11,9 +15,21 @@ import argparse
 import sys
 
 from hyscale_jax.convert import api, native
+from hyscale_jax.convert.hf_config import UnsupportedConfigError
+
+# What a user's input can be wrong about; anything else is a bug and keeps its traceback.
+_USER_ERRORS = (UnsupportedConfigError, api.CheckpointMismatchError, FileNotFoundError)
 
 
 def main(argv: list[str] | None = None) -> int:
+  try:
+    return _main(argv)
+  except _USER_ERRORS as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+
+
+def _main(argv: list[str] | None) -> int:
   parser = argparse.ArgumentParser(prog="python -m hyscale_jax.convert", description=__doc__.split("\n\n")[0])
   commands = parser.add_subparsers(dest="command", required=True)
   imp = commands.add_parser("import", help="Hugging Face folder -> our folder")

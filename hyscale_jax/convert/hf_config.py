@@ -274,7 +274,9 @@ def qwen4_exp_to_hf(cfg: ModelConfig) -> dict:
       ple_layer_ids=list(cfg.ple_layer_ids), number_of_conv_states=3 if cfg.ple_layer_ids else 1,
       linear_num_key_heads=cfg.linear_n_key_heads, linear_num_value_heads=cfg.linear_n_value_heads,
       linear_key_head_dim=cfg.linear_key_dim, linear_value_head_dim=cfg.linear_value_dim,
-      linear_conv_kernel_dim=cfg.linear_conv_kernel, output_gate_type=cfg.linear_output_gate,
+      linear_conv_kernel_dim=cfg.linear_conv_kernel,
+      # Unset means `hidden_act` (silu) to transformers: the form its own configs write.
+      output_gate_type=None if cfg.linear_output_gate == "silu" else cfg.linear_output_gate,
       hidden_act="silu", attention_bias=False, dtype=cfg.param_dtype)
 
 

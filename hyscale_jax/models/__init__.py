@@ -28,17 +28,20 @@ def count_params(config) -> tuple[int, int]:
   """(total, active per token) parameter counts, computed on abstract shapes (nothing allocated).
 
   Active counts every parameter except the routed experts a token does not use:
-  `experts_per_token / n_routed_experts` of each MoE layer's routed-expert weights.
+  `experts_per_token / n_routed_experts` of each MoE layer's routed-expert weights, and of an Engram
+  n-gram table only the rows a token reads (one per n-gram head).
   """
   cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_config(config)
   abstract = nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))
-  total, routed = 0, 0
+  total, routed, unread = 0, 0, 0
   for path, leaf in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
     size = int(np.prod(leaf.shape))
     total += size
     if any(str(p).startswith("experts_") for p in path):
       routed += size
-  active = total - routed + routed * cfg.experts_per_token // cfg.n_routed_experts
+    if "ngram_embedding" in path:
+      unread += size - (cfg.ngram_size - 1) * cfg.ngram_heads_per_order * leaf.shape[-1]
+  active = total - routed + routed * cfg.experts_per_token // cfg.n_routed_experts - unread
   return total, active
 
 

@@ -1,0 +1,172 @@
+"""Engram / PLE n-gram embeddings (layers/engram.py): the hash against exact integer and float64 oracles."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from configs import qwen3_8_flash_next
+from hyscale_jax import models
+from hyscale_jax.convert import hf_config
+from hyscale_jax.convert.safetensors_dir import CheckpointReader
+from hyscale_jax.layers import engram
+from hyscale_jax.model_config import ModelConfig
+from tests.test_convert import FIXTURES
+
+_TINY = ModelConfig.from_config(qwen3_8_flash_next.get_config("tiny").model)
+
+
+def _cfg(**changes) -> ModelConfig:
+  return dataclasses.replace(_TINY, **changes)
+
+
+def _history_oracle(tokens, segment_ids, shift, eos):
+  """token[t - shift] by a walk back from t: EOS once the walk meets an EOS or another document."""
+  out = np.empty_like(tokens)
+  for b, t in np.ndindex(tokens.shape):
+    s, ok = t - shift, t - shift >= 0
+    for j in range(1, shift + 1):
+      ok = ok and t - j >= 0 and tokens[b, t - j] != eos and segment_ids[b, t - j] == segment_ids[b, t]
+    out[b, t] = tokens[b, s] if ok else eos
+  return out
+
+
+def _rows_oracle(tokens, segment_ids, cfg, ple_index):
+  """Exact Python-int hash: XOR of token * multiplier (< 2^63), mod each head's prime, plus its offset."""
+  sizes, offsets, _ = engram.head_tables(cfg, ple_index)
+  mult = engram.hash_multipliers(cfg.vocab_size, cfg.ngram_size, ple_index, cfg.ngram_seed)
+  history = [_history_oracle(tokens, segment_ids, i, cfg.eos_token_id) for i in range(cfg.ngram_size)]
+  per, rows = cfg.ngram_heads_per_order, np.zeros((*tokens.shape, len(sizes)), np.int64)
+  for b, t in np.ndindex(tokens.shape):
+    mix = int(history[0][b, t]) * mult[0]
+    for n in range(2, cfg.ngram_size + 1):
+      mix ^= int(history[n - 1][b, t]) * mult[n - 1]
+      assert mix < 1 << 63
+      for h in range((n - 2) * per, (n - 1) * per):
+        rows[b, t, h] = mix % sizes[h] + offsets[h]
+  return rows
+
+
+def _tokens_with_eos(rng, shape, vocab, eos):
+  tokens = rng.integers(0, vocab, shape)
+  tokens[:, [3, 4, 11]] = eos  # two EOS in a row, and one more
+  tokens[0, -3:] = vocab - 1  # the largest id: the largest products
+  return tokens.astype(np.int32)
+
+
+@pytest.mark.parametrize("vocab, base, ple_index", [(96, 50, 1), (248320, 20_000_000, 0)])
+def test_ngram_rows_match_the_exact_integer_hash(vocab, base, ple_index):
+  cfg = _cfg(vocab_size=vocab, ngram_vocab_base=base, ple_layer_ids=(1, 2), eos_token_id=7, ngram_heads_per_order=3,
+             ple_embed_dim=12)
+  rng = np.random.default_rng(0)
+  tokens = _tokens_with_eos(rng, (2, 24), vocab, 7)
+  segment_ids = np.repeat(np.array([[0] * 16 + [1] * 8, [0] * 24]), 1, axis=0).astype(np.int32)
+  got = np.asarray(engram.ngram_rows(jnp.asarray(tokens), jnp.asarray(segment_ids), cfg, ple_index))
+  np.testing.assert_array_equal(got, _rows_oracle(tokens, segment_ids, cfg, ple_index))
+
+
+def test_hash_constants_are_transformers_buffers():
+  source = FIXTURES / "qwen4_exp_engram"
+  cfg = hf_config.from_hf(__import__("json").loads((source / "config.json").read_text()))
+  reader = CheckpointReader(str(source))
+  for ple_index, layer_id in enumerate(cfg.ple_layer_ids):
+    for key, value in engram.checkpoint_constants(cfg, ple_index).items():
+      np.testing.assert_array_equal(reader.read(f"model.layers.{layer_id - 1}.ple.ple_embedding.{key}"), value)
+
+
+def _zero_centred_rms(x, w, eps, group):
+  g = x.reshape(*x.shape[:-1], -1, group)
+  g = g / np.sqrt(np.mean(g * g, -1, keepdims=True) + eps)
+  return g.reshape(x.shape) * (1 + w)
+
+
+def _layer_oracle(layer, streams, rows, segment_ids, cfg):
+  """The PLE layer in float64 NumPy, from the layer's weights and the oracle's table rows."""
+  f64 = lambda a: np.asarray(a[...], np.float64)
+  B, T, N, D = streams.shape
+  e = f64(layer.ple_embedding.ngram_embedding.embedding)[rows].reshape(B, T, -1)
+  key = _zero_centred_rms(e @ f64(layer.key_proj.kernel), f64(layer.norm_key.weight), cfg.rms_eps, D)
+  value = e @ f64(layer.value_proj.kernel)
+  query = _zero_centred_rms(streams.reshape(B, T, N * D), f64(layer.norm_query.weight), cfg.rms_eps, D)
+  g = (key.reshape(B, T, N, D) * query.reshape(B, T, N, D)).sum(-1, keepdims=True) / np.sqrt(D)
+  g = np.sign(g) * np.sqrt(np.maximum(np.abs(g), 1e-6))
+  gated = (value[:, :, None, :] / (1 + np.exp(-g))).reshape(B, T, N * D)
+  normed = _zero_centred_rms(gated, f64(layer.norm_conv.weight), cfg.rms_eps, D)
+  kernel, conv = f64(layer.conv1d), np.zeros_like(gated)
+  K, dil = kernel.shape[0], cfg.ngram_size
+  for b, t, j in np.ndindex(B, T, K):
+    s = t - (K - 1 - j) * dil
+    if s >= 0 and segment_ids[b, s] == segment_ids[b, t]:
+      conv[b, t] += kernel[j] * normed[b, s]
+  return (gated + conv / (1 + np.exp(-conv))).reshape(B, T, N, D)
+
+
+def _noised_layer(cfg, seed=0):
+  layer = engram.EngramLayer(cfg, 0, rngs=nnx.Rngs(seed))
+  keys = iter(jax.random.split(jax.random.key(seed + 1), 8))
+  for name in ("norm_key", "norm_query", "norm_conv"):  # zero-initialised: noise, so the oracle sees them
+    getattr(layer, name).weight[...] = 0.3 * jax.random.normal(next(keys), getattr(layer, name).weight.shape)
+  layer.conv1d[...] = jax.random.normal(next(keys), layer.conv1d.shape)
+  table = layer.ple_embedding.ngram_embedding.embedding
+  table[...] = jax.random.normal(next(keys), table.shape)
+  return layer
+
+
+def test_layer_matches_float64_oracle_with_packed_documents():
+  cfg = _cfg(vocab_size=96, d_model=16, hc_mult=2, ple_layer_ids=(1,), ple_embed_dim=12, ngram_heads_per_order=3,
+             ngram_vocab_base=40, eos_token_id=5, ngram_vocab_multiple=8)
+  layer = _noised_layer(cfg)
+  rng = np.random.default_rng(1)
+  tokens = _tokens_with_eos(rng, (2, 20), cfg.vocab_size, 5)
+  segment_ids = np.array([[0] * 9 + [1] * 11, [0] * 20], np.int32)
+  streams = rng.standard_normal((2, 20, 2, 16)).astype(np.float32)
+  got = np.asarray(layer(jnp.asarray(streams), jnp.asarray(tokens), jnp.asarray(segment_ids)), np.float64)
+  rows = _rows_oracle(tokens, segment_ids, cfg, 0)
+  want = _layer_oracle(layer, streams.astype(np.float64), rows, segment_ids, cfg)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  # Packed: the second document's output is the one it gets alone.
+  alone = layer(jnp.asarray(streams[:1, 9:]), jnp.asarray(tokens[:1, 9:]), jnp.zeros((1, 11), jnp.int32))
+  np.testing.assert_allclose(np.asarray(alone), got[:1, 9:], rtol=1e-5, atol=1e-6)
+
+
+def test_tiny_model_scans_around_the_engram_layer():
+  assert _TINY.ple_layer_ids == (2,)
+  model = models.build(_TINY, rngs=nnx.Rngs(0))
+  assert [layer.ple is not None for layer in model.layers] == [False, True, False, False]
+  tokens = jax.random.randint(jax.random.key(0), (1, 32), 0, _TINY.vocab_size)
+  scanned = model(tokens).logits
+  unrolled = models.build(dataclasses.replace(_TINY, scan_layers=False), rngs=nnx.Rngs(0))(tokens).logits
+  np.testing.assert_allclose(np.asarray(scanned), np.asarray(unrolled), rtol=1e-5, atol=1e-5)
+
+
+def test_full_config_engram_is_the_published_one():
+  cfg = ModelConfig.from_config(qwen3_8_flash_next.get_config("full").model)
+  assert (cfg.ple_layer_ids, cfg.ple_embed_dim, cfg.ngram_size, cfg.ngram_heads_per_order) == ((2,), 2560, 3, 8)
+  sizes, _, rows = engram.head_tables(cfg, 0)
+  assert len(sizes) == 16 and sizes[0] == 20_000_003 and rows % 128 == 0
+  # 16 prime tables of about 20M rows of 160 features: the "51B of n-gram embeddings" beside the 125B.
+  assert round(rows * 160 / 1e9, 1) == 51.2
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(ple_layer_ids=(0,)), r"ple_layer_ids=\(0,\) must be increasing one-indexed"),
+    (dict(ple_layer_ids=(2,), eos_token_id=-1), "eos_token_id=-1 must be a token id"),
+    (dict(ple_layer_ids=(2,), ple_embed_dim=250), "ple_embed_dim=250 a multiple of the 16 n-gram heads"),
+])
+def test_bad_engram_config_is_named(changes, match):
+  with pytest.raises(ValueError, match=match):
+    _cfg(**changes)
+
+
+def test_engram_is_qwen_only():
+  with pytest.raises(ValueError, match="only qwen4_exp has n-gram"):
+    ModelConfig(ple_layer_ids=(1,), ple_embed_dim=16, eos_token_id=0)
+
+
+def test_fixture_plants_eos_tokens():
+  outputs = load_file(str(FIXTURES / "qwen4_exp_engram" / "outputs.safetensors"))
+  assert (outputs["input_ids"][:, [5, 6, 17, 30]] == 1).all()
