@@ -15,7 +15,9 @@ from hyscale_jax.convert import hf_config
 from hyscale_jax.convert.safetensors_dir import CheckpointReader
 from hyscale_jax.layers import engram
 from hyscale_jax.model_config import ModelConfig
+from tests.lm_runs import assert_trains_both_stages_and_resumes, small_lm_config
 from tests.test_convert import FIXTURES
+from tests.test_qwen_next import _SMALL
 
 _TINY = ModelConfig.from_config(qwen3_8_flash_next.get_config("tiny").model)
 
@@ -131,15 +133,37 @@ def test_layer_matches_float64_oracle_with_packed_documents():
   # Packed: the second document's output is the one it gets alone.
   alone = layer(jnp.asarray(streams[:1, 9:]), jnp.asarray(tokens[:1, 9:]), jnp.zeros((1, 11), jnp.int32))
   np.testing.assert_allclose(np.asarray(alone), got[:1, 9:], rtol=1e-5, atol=1e-6)
+  # Every parameter learns, and of the table exactly the rows read.
+  graphdef, params = nnx.split(layer, nnx.Param)
+  loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(jnp.asarray(streams), jnp.asarray(tokens),
+                                                 jnp.asarray(segment_ids)) ** 2)
+  grads = nnx.to_flat_state(jax.grad(loss)(params))
+  for path, g in grads:
+    assert np.isfinite(g[...]).all() and np.abs(g[...]).max() > 0, path
+  table_grad = np.asarray(dict(grads)[("ple_embedding", "ngram_embedding", "embedding")][...])
+  assert set(np.flatnonzero(np.abs(table_grad).sum(-1))) <= set(rows.reshape(-1).tolist())
 
 
-def test_tiny_model_scans_around_the_engram_layer():
+def _small_hybrid(n_layers: int) -> ModelConfig:
+  """(GDN x3, QSA) repeated, on gated-residual streams, with the Engram embedding at layer 2 (one-indexed)."""
+  return dataclasses.replace(
+      _SMALL, n_layers=n_layers, layer_types=(("gated_deltanet",) * 3 + ("qsa",)) * (n_layers // 4),
+      linear_n_key_heads=2, linear_n_value_heads=4, linear_key_dim=8, linear_value_dim=8, linear_chunk=16,
+      hc_mult=2, hc_lowrank=4, shared_expert_gate=True, router_bias=False, ple_layer_ids=(2,), ple_embed_dim=16,
+      ngram_heads_per_order=2, ngram_vocab_base=256, ngram_vocab_multiple=8, eos_token_id=0, remat_policy="none")
+
+
+def test_layer_scan_runs_around_the_engram_layer():
   assert _TINY.ple_layer_ids == (2,)
-  model = models.build(_TINY, rngs=nnx.Rngs(0))
-  assert [layer.ple is not None for layer in model.layers] == [False, True, False, False]
-  tokens = jax.random.randint(jax.random.key(0), (1, 32), 0, _TINY.vocab_size)
-  scanned = model(tokens).logits
-  unrolled = models.build(dataclasses.replace(_TINY, scan_layers=False), rngs=nnx.Rngs(0))(tokens).logits
+  cfg = dataclasses.replace(_small_hybrid(4), n_layers=6, layer_types=("gated_deltanet",) * 6)
+  model = models.build(cfg, rngs=nnx.Rngs(0))
+  assert [layer.ple is not None for layer in model.layers] == [False, True] + [False] * 4
+  # Layer 1 (with `ple`) is a run of its own; layers 2..5 are one scan.
+  assert model.layer_runs() == [(0, 1, 1, 1), (1, 1, 1, 1), (2, 1, 4, 0)]
+  tokens = jax.random.randint(jax.random.key(0), (1, 16), 0, cfg.vocab_size).at[0, 5].set(0)
+  forward = nnx.jit(lambda m, t: m(t).logits)
+  scanned = forward(model, tokens)
+  unrolled = forward(models.build(dataclasses.replace(cfg, scan_layers=False), rngs=nnx.Rngs(0)), tokens)
   np.testing.assert_allclose(np.asarray(scanned), np.asarray(unrolled), rtol=1e-5, atol=1e-5)
 
 
@@ -170,3 +194,11 @@ def test_engram_is_qwen_only():
 def test_fixture_plants_eos_tokens():
   outputs = load_file(str(FIXTURES / "qwen4_exp_engram" / "outputs.safetensors"))
   assert (outputs["input_ids"][:, [5, 6, 17, 30]] == 1).all()
+
+
+@pytest.mark.slow
+def test_hybrid_stack_with_engram_trains_both_stages_and_resumes(tmp_path):
+  # [GDN, GDN + Engram, GDN, QSA] on gated-residual streams, through train.py's loop (scanned layer stacks).
+  hybrid = dataclasses.replace(_small_hybrid(4), remat_policy="selection_replay")
+  make = lambda steps: small_lm_config(qwen3_8_flash_next.get_config, hybrid, tmp_path, steps)
+  assert_trains_both_stages_and_resumes(make, tmp_path / "run")
