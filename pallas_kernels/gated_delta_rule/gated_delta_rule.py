@@ -43,13 +43,15 @@ class Config:
   """Value columns per program (block_v), Triton's warps and stages, and the f32 matmul algorithm.
 
   precision: "tf32" (tensor cores, 10-bit mantissa inputs; what XLA's default f32 dot does on the
-  H200), "tf32x3" (three tf32 products, about f32 accuracy) or "ieee" (f32 FMAs, slow).
+  H200), "tf32x3" (three tf32 products, about f32 accuracy), "ieee" (f32 FMAs, slow), or None:
+  follow `jax_default_matmul_precision` as XLA's dots in the same program do ("ieee" under
+  "highest"/"float32", else "tf32").
   """
 
   block_v: int = 32
   num_warps: int = 4
   num_stages: int = 2
-  precision: str = "tf32"
+  precision: str | None = None
 
   def __post_init__(self):
     if self.block_v < 16 or self.block_v & (self.block_v - 1):
@@ -58,7 +60,7 @@ class Config:
       raise ValueError(f"Config.num_warps={self.num_warps} must be 1, 2, 4, 8 or 16.")
     if self.num_stages < 1:
       raise ValueError(f"Config.num_stages={self.num_stages} must be >= 1.")
-    if self.precision not in _PRECISIONS:
+    if self.precision is not None and self.precision not in _PRECISIONS:
       raise ValueError(f"Config.precision={self.precision!r} must be one of {sorted(_PRECISIONS)}.")
 
   @classmethod
@@ -167,7 +169,12 @@ def _resolve(config, interpret, C, Dk, Dv):
   config = config or Config.heuristics(Dk, Dv, C)
   check_applies(C, Dk, Dv, config)
   interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-  return config, interpret, jax.lax.Precision.HIGHEST if interpret else _PRECISIONS[config.precision]
+  if interpret:
+    return config, interpret, jax.lax.Precision.HIGHEST
+  name = config.precision
+  if name is None:
+    name = "ieee" if str(jax.config.jax_default_matmul_precision).lower() in ("highest", "float32") else "tf32"
+  return config, interpret, _PRECISIONS[name]
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "config", "interpret"))
