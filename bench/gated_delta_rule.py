@@ -3,6 +3,7 @@
     python bench/gated_delta_rule.py --out /tmp/gdr.json           # Qwen3.8-Flash-Next heads, T 16K and 64K
     python bench/gated_delta_rule.py --chunk 128 --seq 65536        # another chunk length
     python bench/gated_delta_rule.py --backends reference pallas xla_baseline --seq 4096
+    python bench/gated_delta_rule.py --pallas-configs 16,4,1 64,8,1 32,4,2  # kernel tiles to compare
     python bench/gated_delta_rule.py --smoke --out /tmp/smoke.json  # tiny, on the CPU (pallas interpreted)
 
 Shape: batch 1, bf16 q/k/v/beta and f32 g, Qwen3.8-Flash-Next's 16 q/k heads and 48 value heads of
@@ -12,7 +13,7 @@ Rows: backend, T, pass ("fwd": the jitted forward; "fwd+bwd": `jax.vjp` and the 
 random cotangent), the median ms after a warm-up, TFLOP/s, and for every backend after `reference`
 the largest |difference| from it of out (and of dq and dv for fwd+bwd). A backend that fails to
 compile or run (a Triton error, an OOM) gives a row with `error` and no time; the others still run.
-`xla_baseline` (token by token, T states kept for the backward) is not run by default and is
+`--pallas-configs` adds pallas rows with other kernel tiles. `xla_baseline` (token by token, T states kept for the backward) is not run by default and is
 skipped above `--baseline-max-t`. FLOPs: the chunked form's matmuls per value head and chunk of C
 tokens (k k^T and q k^T 2 C^2 Dk each, the triangular solve C^2 (Dk + Dv), the intra-chunk scores
 times u 2 C^2 Dv, three state products 2 C Dk Dv each), i.e. per token `C (5 Dk + 3 Dv) + 6 Dk Dv`
@@ -77,7 +78,7 @@ def _row(backend, T, name, step, inputs, flops, reps, want):
     outputs = [np.float32(x) for x in step(*inputs)]
   except Exception as e:  # noqa: BLE001 (a kernel that does not compile, or an OOM, is a row)
     row["error"] = f"{'OOM' if 'RESOURCE_EXHAUSTED' in str(e) else type(e).__name__}: {str(e).splitlines()[0][:300]}"
-    print(f"{backend:13s} T {T:6d} {name:8s}: {row['error']}", flush=True)
+    print(f"{backend:16s} T {T:6d} {name:8s}: {row['error']}", flush=True)
     return row, None
   row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12)
   note = ""
@@ -85,8 +86,24 @@ def _row(backend, T, name, step, inputs, flops, reps, want):
     for label, got, ref in zip(("out", "dq", "dv"), outputs, want):
       row[f"max_{label}_diff"] = float(np.abs(got - ref).max())
       note += f", max|{label} - reference| {row[f'max_{label}_diff']:.3g}"
-  print(f"{backend:13s} T {T:6d} {name:8s}: {seconds * 1e3:9.2f} ms, {row['tflops']:6.2f} TFLOP/s{note}", flush=True)
+  print(f"{backend:16s} T {T:6d} {name:8s}: {seconds * 1e3:9.2f} ms, {row['tflops']:6.2f} TFLOP/s{note}", flush=True)
   return row, outputs
+
+
+def _register_pallas_config(spec):
+  """A bench-only backend name, "pallas[block_v,num_warps,num_stages]", running the kernels with that
+  Config (the op itself always takes `Config.heuristics`)."""
+  from hyscale_jax.ops.gated_delta_rule.scan_vjp import gated_delta_rule_with_scan_kernels  # noqa: PLC0415
+  from pallas_kernels import gated_delta_rule as kernels  # noqa: PLC0415
+
+  block_v, num_warps, num_stages = map(int, spec.split(","))
+  config = kernels.Config(block_v=block_v, num_warps=num_warps, num_stages=num_stages)
+  name = f"pallas[{spec}]"
+  REGISTRY.implementations[name] = functools.partial(
+      gated_delta_rule_with_scan_kernels, functools.partial(kernels.gated_delta_rule_scan_fwd, config=config),
+      functools.partial(kernels.gated_delta_rule_scan_bwd, config=config),
+      functools.partial(kernels.check_applies, config=config))
+  return name
 
 
 def main(argv=None):
@@ -96,6 +113,8 @@ def main(argv=None):
   parser.add_argument("--backends", nargs="+", default=["reference", "pallas"])
   parser.add_argument("--baseline-max-t", type=int, default=16384)
   parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--pallas-configs", nargs="*", default=[],
+                      help="more pallas rows, each with the kernels' Config as block_v,num_warps,num_stages")
   parser.add_argument("--matmul-precision", default=None, help="jax_default_matmul_precision, e.g. highest")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in f32 (CPU)")
   parser.add_argument("--out", default=None, help="write the rows here as JSON")
@@ -106,6 +125,7 @@ def main(argv=None):
   if args.smoke:
     args.seq, Hk, Hv, Dk, Dv, dtype, args.reps, args.chunk = [40], 2, 4, 16, 16, jnp.float32, 1, 16
   backends = ["reference"] + [b for b in args.backends if b != "reference"]  # the others compare with it
+  backends += [_register_pallas_config(spec) for spec in args.pallas_configs]
   rows = []
   print(f"{jax.devices()[0].device_kind}: Hk {Hk}, Hv {Hv}, Dk {Dk}, Dv {Dv}, chunk {args.chunk}, "
         f"{jnp.dtype(dtype).name}, matmul precision {jax.config.jax_default_matmul_precision}", flush=True)
@@ -115,7 +135,7 @@ def main(argv=None):
     want = {}
     for backend in backends:
       if backend not in REGISTRY.implementations or (backend == "xla_baseline" and T > args.baseline_max_t):
-        print(f"{backend:13s} T {T:6d}: skipped", flush=True)
+        print(f"{backend:16s} T {T:6d}: skipped", flush=True)
         continue
       for name, step in _steps(backend, args.chunk).items():
         row, outputs = _row(backend, T, name, step, inputs, flops * (1 if name == "fwd" else 3), args.reps,

@@ -169,3 +169,26 @@ def test_gpu_values_and_gradients_at_the_qwen_shape(precision, tol, monkeypatch)
   for a, b in zip(jax.tree.leaves(grad("pallas")), jax.tree.leaves(grad("reference"))):
     scale = float(np.abs(b).max()) or 1.0
     np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, atol=tol)
+
+
+def test_bench_records_a_failing_pallas_config_as_an_error_row(tmp_path):
+  """bench/gated_delta_rule.py keeps going when a pallas config cannot run (block_v 32 > Dv 16 at the
+  smoke shape stands in for a Triton compile error on the GPU): an `error` row, reference rows intact."""
+  import importlib.util  # noqa: PLC0415
+  import json  # noqa: PLC0415
+  import pathlib  # noqa: PLC0415
+
+  path = pathlib.Path(__file__).parents[1] / "bench" / "gated_delta_rule.py"
+  spec = importlib.util.spec_from_file_location("bench_gated_delta_rule", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  out = tmp_path / "rows.json"
+  try:
+    bench.main(["--smoke", "--backends", "reference", "--pallas-configs", "32,4,1", "--out", str(out)])
+  finally:
+    REGISTRY.implementations.pop("pallas[32,4,1]", None)
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["backend"], r["pass"], "error" in r) for r in rows] == [
+      ("reference", "fwd", False), ("reference", "fwd+bwd", False),
+      ("pallas[32,4,1]", "fwd", True), ("pallas[32,4,1]", "fwd+bwd", True)]
+  assert "block_v=32 does not divide Dv=16" in rows[2]["error"] and rows[0]["ms"] > 0

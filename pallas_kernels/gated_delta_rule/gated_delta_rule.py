@@ -68,8 +68,12 @@ class Config:
     """block_v 32 (fla's choice at 128 dims): a [Dk, 32] f32 state and a chunk's [C, Dk] terms stay
     in 4 warps' registers, and B * Hv * Dv / 32 programs (192 at one row of Qwen3.8-Flash-Next's 48
     value heads) cover the H200's 132 SMs; 8 warps once the chunk's [C, Dk] tiles pass 64 x 128.
-    A prior from the tile sizes, not yet tuned on the device."""
-    return cls(block_v=min(32, Dv), num_warps=8 if C * Dk > 64 * 128 else 4)
+    Two pipeline stages only while two copies of a chunk's f32 tiles (three [C, Dk], one [C, C])
+    fit 160 KiB of shared memory (of the H200's 227): at C 64 and Dk 128 they are 224 KiB, so one.
+    A prior from the tile sizes, not yet tuned on the device (`search_space`)."""
+    tiles = 4 * (3 * C * Dk + C * C)
+    return cls(block_v=min(32, Dv), num_warps=8 if C * Dk > 64 * 128 else 4,
+               num_stages=2 if 2 * tiles <= 160 * 1024 else 1)
 
   def search_space(self, Dv: int) -> list["Config"]:
     """The configs worth timing at value width Dv."""
