@@ -155,16 +155,33 @@ def _gated_delta_rule_bwd_kernel(
   dstate0_ref[...] = jax.lax.fori_loop(0, n, chunk, dfinal_ref[...])
 
 
-def _specs(n, C, Dk, block_v):
-  """BlockSpecs over the grid (BH, Dv // block_v) for each operand layout."""
-  return dict(
+def _pass(kernel, name, operands, *, chunk, config, interpret):
+  """One pass over the chunks on the grid (BH, Dv // block_v): `kernel` reads `operands`, pairs of an
+  array and its layout name, and writes ([BH, n C, Dv], [BH, n, Dk, Dv], [BH, Dk, Dv]) in f32."""
+  BH, Dk, Dv = operands[-1][0].shape  # the state (or its cotangent) comes last
+  n = next(x.shape[1] for x, layout in operands if layout == "per_chunk")  # reach_last [BH, n]
+  config, interpret, precision = _resolve(config, interpret, chunk, Dk, Dv)
+  bv, C = config.block_v, chunk
+  specs = dict(
       rows_k=pl.BlockSpec((None, n * C, Dk), lambda h, j: (h, 0, 0)),
       rows_c=pl.BlockSpec((None, n * C, C), lambda h, j: (h, 0, 0)),
-      rows_v=pl.BlockSpec((None, n * C, block_v), lambda h, j: (h, 0, j)),
+      rows_v=pl.BlockSpec((None, n * C, bv), lambda h, j: (h, 0, j)),
       per_chunk=pl.BlockSpec((None, n), lambda h, j: (h, 0)),
-      state=pl.BlockSpec((None, Dk, block_v), lambda h, j: (h, 0, j)),
-      states=pl.BlockSpec((None, n, Dk, block_v), lambda h, j: (h, 0, 0, j)),
+      state=pl.BlockSpec((None, Dk, bv), lambda h, j: (h, 0, j)),
+      states=pl.BlockSpec((None, n, Dk, bv), lambda h, j: (h, 0, 0, j)),
   )
+  return pl.pallas_call(
+      functools.partial(kernel, n=n, C=C, precision=precision),
+      grid=(BH, Dv // bv),
+      in_specs=[specs[layout] for _, layout in operands],
+      out_specs=[specs["rows_v"], specs["states"], specs["state"]],
+      out_shape=[jax.ShapeDtypeStruct((BH, n * C, Dv), jnp.float32),
+                 jax.ShapeDtypeStruct((BH, n, Dk, Dv), jnp.float32),
+                 jax.ShapeDtypeStruct((BH, Dk, Dv), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret,
+      name=name,
+  )(*(x for x, _ in operands))
 
 
 def _resolve(config, interpret, C, Dk, Dv):
@@ -198,22 +215,9 @@ def gated_delta_rule_scan_fwd(terms, state0, *, chunk: int, config: Config | Non
     NotImplementedError: C, Dk or Dv not a power of two >= 16 (see `check_applies`).
   """
   w, u0, q_reach, scores, reach_last, k_last = terms
-  BH, _, Dk = w.shape
-  Dv, n = u0.shape[-1], reach_last.shape[1]
-  config, interpret, precision = _resolve(config, interpret, chunk, Dk, Dv)
-  s = _specs(n, chunk, Dk, config.block_v)
-  return pl.pallas_call(
-      functools.partial(_gated_delta_rule_fwd_kernel, n=n, C=chunk, precision=precision),
-      grid=(BH, Dv // config.block_v),
-      in_specs=[s["rows_k"], s["rows_v"], s["rows_k"], s["rows_c"], s["per_chunk"], s["rows_k"], s["state"]],
-      out_specs=[s["rows_v"], s["states"], s["state"]],
-      out_shape=[jax.ShapeDtypeStruct((BH, n * chunk, Dv), jnp.float32),
-                 jax.ShapeDtypeStruct((BH, n, Dk, Dv), jnp.float32),
-                 jax.ShapeDtypeStruct((BH, Dk, Dv), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret,
-      name="hyscale_gated_delta_rule_fwd",
-  )(w, u0, q_reach, scores, reach_last, k_last, state0)
+  return _pass(_gated_delta_rule_fwd_kernel, "hyscale_gated_delta_rule_fwd",
+               ((w, "rows_k"), (u0, "rows_v"), (q_reach, "rows_k"), (scores, "rows_c"), (reach_last, "per_chunk"),
+                (k_last, "rows_k"), (state0, "state")), chunk=chunk, config=config, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "config", "interpret"))
@@ -229,19 +233,7 @@ def gated_delta_rule_scan_bwd(terms, dout, dfinal, *, chunk: int, config: Config
     (du f32[BH, n C, Dv], dstates f32[BH, n, Dk, Dv], dstate0 f32[BH, Dk, Dv]).
   """
   w, _, q_reach, scores, reach_last, k_last = terms
-  BH, _, Dk = w.shape
-  Dv, n = dout.shape[-1], reach_last.shape[1]
-  config, interpret, precision = _resolve(config, interpret, chunk, Dk, Dv)
-  s = _specs(n, chunk, Dk, config.block_v)
-  return pl.pallas_call(
-      functools.partial(_gated_delta_rule_bwd_kernel, n=n, C=chunk, precision=precision),
-      grid=(BH, Dv // config.block_v),
-      in_specs=[s["rows_k"], s["rows_k"], s["rows_c"], s["per_chunk"], s["rows_k"], s["rows_v"], s["state"]],
-      out_specs=[s["rows_v"], s["states"], s["state"]],
-      out_shape=[jax.ShapeDtypeStruct((BH, n * chunk, Dv), jnp.float32),
-                 jax.ShapeDtypeStruct((BH, n, Dk, Dv), jnp.float32),
-                 jax.ShapeDtypeStruct((BH, Dk, Dv), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret,
-      name="hyscale_gated_delta_rule_bwd",
-  )(w, q_reach, scores, reach_last, k_last, dout.astype(jnp.float32), dfinal.astype(jnp.float32))
+  return _pass(_gated_delta_rule_bwd_kernel, "hyscale_gated_delta_rule_bwd",
+               ((w, "rows_k"), (q_reach, "rows_k"), (scores, "rows_c"), (reach_last, "per_chunk"), (k_last, "rows_k"),
+                (dout.astype(jnp.float32), "rows_v"), (dfinal.astype(jnp.float32), "state")),
+               chunk=chunk, config=config, interpret=interpret)
