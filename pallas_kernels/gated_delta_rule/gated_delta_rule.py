@@ -162,6 +162,9 @@ def _pass(kernel, name, operands, *, chunk, config, interpret):
   n = next(x.shape[1] for x, layout in operands if layout == "per_chunk")  # reach_last [BH, n]
   config, interpret, precision = _resolve(config, interpret, chunk, Dk, Dv)
   bv, C = config.block_v, chunk
+  largest = max(BH * n * Dk * Dv, *(x.size for x, _ in operands))  # the per-chunk states are [BH, n, Dk, Dv]
+  if largest >= 2**31:
+    raise NotImplementedError(f"gated_delta_rule pallas: an array of {largest} elements; Triton's offsets are int32.")
   specs = dict(
       rows_k=pl.BlockSpec((None, n * C, Dk), lambda h, j: (h, 0, 0)),
       rows_c=pl.BlockSpec((None, n * C, C), lambda h, j: (h, 0, 0)),
