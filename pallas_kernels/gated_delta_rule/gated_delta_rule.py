@@ -70,7 +70,11 @@ class Config:
     value heads) cover the H200's 132 SMs; 8 warps once the chunk's [C, Dk] tiles pass 64 x 128.
     Two pipeline stages only while two copies of a chunk's f32 tiles (three [C, Dk], one [C, C])
     fit 160 KiB of shared memory (of the H200's 227): at C 64 and Dk 128 they are 224 KiB, so one.
-    A prior from the tile sizes, not yet tuned on the device (`search_space`)."""
+    Compiled offline for sm_90 (the kernels' Triton IR at C 64, Dk = Dv = 128, through Triton 3.9
+    and ptxas): 2 stages need 264-272 KiB of shared memory (over the limit), 1 stage 56 KiB; at
+    4 warps the forward uses 220 registers and the backward 255 with a 132-byte spill, so two
+    programs share an SM and all 192 run at once (8 warps: 191/213 registers, one per SM, two
+    waves); block_v 64 spills at 4 warps. Not yet timed on the device (`search_space`)."""
     tiles = 4 * (3 * C * Dk + C * C)
     return cls(block_v=min(32, Dv), num_warps=8 if C * Dk > 64 * 128 else 4,
                num_stages=2 if 2 * tiles <= 160 * 1024 else 1)
