@@ -5,6 +5,7 @@ pallas backend lowered for a CUDA target; on the GPU (`-m gpu_only`), the same a
 import dataclasses
 import functools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,29 @@ def test_a_context_mesh_passes_the_state_between_pallas_shards_in_order():
     got = loss(q, k, v, g, beta, s0, seg, w_out, s0)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_the_gated_deltanet_layer_takes_the_pallas_backend_from_its_config():
+  # The hybrid model's layer (16-dim heads, chunk 16), its values and parameter gradients by backend.
+  from flax import nnx  # noqa: PLC0415
+
+  from hyscale_jax.layers.gated_deltanet import GatedDeltaNet  # noqa: PLC0415
+
+  try:
+    from tests.test_gated_deltanet import _HYBRID, _segments, _x
+  except ImportError:
+    from test_gated_deltanet import _HYBRID, _segments, _x
+  cfg = dataclasses.replace(_HYBRID, linear_key_dim=16, linear_value_dim=16, linear_chunk=16)
+  graphdef, params = nnx.split(GatedDeltaNet(cfg, rngs=nnx.Rngs(0)))
+  x, seg = _x(), _segments()
+
+  def run(backend):
+    backends = types.SimpleNamespace(gated_delta_rule=backend)
+    f = lambda p: jnp.sum(jnp.sin(nnx.merge(graphdef, p)(x, None, seg, backends=backends).out))
+    return jax.jit(jax.value_and_grad(f))(params)
+
+  for a, b in zip(jax.tree.leaves(run("pallas")), jax.tree.leaves(run("reference"))):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_kernels_equal_the_scan_over_chunks_and_its_vjp():
