@@ -138,6 +138,14 @@ def _copy_with_index_edit(source, target, edit):
   index_path.write_text(json.dumps(index))
 
 
+def _copy_with_config(source, target, **changes) -> pathlib.Path:
+  """A copy of the checkpoint folder `source` at `target` whose config.json has `changes`."""
+  shutil.copytree(source, target)
+  config_path = target / "config.json"
+  config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **changes}))
+  return target
+
+
 def test_missing_and_unknown_tensors_are_listed(tmp_path):
   def edit(weight_map):
     shard = weight_map.pop("model.layers.1.mlp.experts.3.up_proj.weight")
@@ -152,13 +160,9 @@ def test_missing_and_unknown_tensors_are_listed(tmp_path):
 
 
 def test_shape_mismatch_names_tensor_and_shapes(tmp_path):
-  shutil.copytree(FIXTURES / "glm_moe_dsa", tmp_path / "ckpt")
-  config_path = tmp_path / "ckpt" / "config.json"
-  config = json.loads(config_path.read_text())
-  config["vocab_size"] = 100
-  config_path.write_text(json.dumps(config))
+  ckpt = _copy_with_config(FIXTURES / "glm_moe_dsa", tmp_path / "ckpt", vocab_size=100)
   with pytest.raises(convert.CheckpointMismatchError, match=r"model.embed_tokens.weight.*\(96, 48\).*\(100, 48\)"):
-    convert.import_checkpoint(str(tmp_path / "ckpt"))
+    convert.import_checkpoint(str(ckpt))
 
 
 def test_one_expert_of_the_wrong_shape_is_named(tmp_path):
@@ -210,13 +214,9 @@ def test_unsupported_fields_are_one_line_naming_all_before_any_tensor(tmp_path):
 
 
 def test_hash_constants_that_differ_from_the_config_are_refused(tmp_path):
-  shutil.copytree(FIXTURES / "qwen4_exp_engram", tmp_path / "ckpt")
-  config_path = tmp_path / "ckpt" / "config.json"
-  config = json.loads(config_path.read_text())
-  config["seed"] = 4321
-  config_path.write_text(json.dumps(config))
+  ckpt = _copy_with_config(FIXTURES / "qwen4_exp_engram", tmp_path / "ckpt", seed=4321)
   with pytest.raises(convert.CheckpointMismatchError, match=r"model.layers.1.ple.ple_embedding.layer_multipliers holds"):
-    convert.import_checkpoint(str(tmp_path / "ckpt"))
+    convert.import_checkpoint(str(ckpt))
 
 
 def test_unsupported_config_value_is_named(tmp_path):
