@@ -1,6 +1,7 @@
 """Engram / PLE n-gram embeddings (layers/engram.py): the hash against exact integer and float64 oracles."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -66,14 +67,14 @@ def test_ngram_rows_match_the_exact_integer_hash(vocab, base, ple_index):
              ple_embed_dim=12)
   rng = np.random.default_rng(0)
   tokens = _tokens_with_eos(rng, (2, 24), vocab, 7)
-  segment_ids = np.repeat(np.array([[0] * 16 + [1] * 8, [0] * 24]), 1, axis=0).astype(np.int32)
+  segment_ids = np.array([[0] * 16 + [1] * 8, [0] * 24], np.int32)
   got = np.asarray(engram.ngram_rows(jnp.asarray(tokens), jnp.asarray(segment_ids), cfg, ple_index))
   np.testing.assert_array_equal(got, _rows_oracle(tokens, segment_ids, cfg, ple_index))
 
 
 def test_hash_constants_are_transformers_buffers():
   source = FIXTURES / "qwen4_exp_engram"
-  cfg = hf_config.from_hf(__import__("json").loads((source / "config.json").read_text()))
+  cfg = hf_config.from_hf(json.loads((source / "config.json").read_text()))
   reader = CheckpointReader(str(source))
   for ple_index, layer_id in enumerate(cfg.ple_layer_ids):
     for key, value in engram.checkpoint_constants(cfg, ple_index).items():
