@@ -72,6 +72,21 @@ def test_ngram_rows_match_the_exact_integer_hash(vocab, base, ple_index):
   np.testing.assert_array_equal(got, _rows_oracle(tokens, segment_ids, cfg, ple_index))
 
 
+def test_uint32_pair_product_and_remainder_are_exact():
+  rng = np.random.default_rng(3)
+  edges = np.array([0, 1, 0xFFFF, 0x10000, 0x1FFFF, 0xFFFFFFFF], np.uint64)
+  t = np.concatenate([edges, rng.integers(0, 1 << 32, 58, dtype=np.uint64)])
+  for m in (1, 0xFFFFFFFF, int(rng.integers(1, 1 << 32)), (1 << 32) + 12345):
+    small = t if m < 1 << 32 else t & 0xFFFFFFF  # keep t * m below 2^64
+    hi, lo = engram._mul_u64(jnp.asarray(small, jnp.uint32), m)
+    want = [int(x) * m for x in small]
+    got = [(int(h) << 32) | int(l) for h, l in zip(np.asarray(hi), np.asarray(lo))]
+    assert got == want, m
+    for p in (2, 3, 20_000_003, (1 << 28) - 57):
+      rem = engram._mod_u64(hi, lo, jnp.asarray(p, jnp.uint32))
+      assert [int(r) for r in np.asarray(rem)] == [w % p for w in want], (m, p)
+
+
 def test_hash_constants_are_transformers_buffers():
   source = FIXTURES / "qwen4_exp_engram"
   cfg = hf_config.from_hf(json.loads((source / "config.json").read_text()))
