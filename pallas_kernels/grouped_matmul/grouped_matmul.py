@@ -7,11 +7,9 @@
   [G, P, Q], walking only each group's own rows, with the same producer / two-consumer split.
 
 What the wrappers add: K (and N, P, Q) zero-padded to the chosen tiles (exact: padded columns
-contribute 0 and are sliced off; the forward kernel itself writes 0 to rows past `sum(group_sizes)`),
-the dW inputs' rows just past
-the sum set to 0 (the dW kernel reads up to block_k rows past a group's end and masks them by
-a select on one operand: a non-finite row in the other would still give NaN), the dW rows padded to TMA's 8-row tiling, and the block config from `autotune.choose`. Both
-kernels use wgmma (sm_90a) and bf16/f16 only: anything else raises NotImplementedError so `"auto"`
+contribute 0 and are sliced off), rows padded to TMA's 8-row tiling, and the block config from
+`autotune.choose`. Rows past `sum(group_sizes)` need no pass over the arrays: the forward kernel
+writes 0 there and the dW kernel selects 0 for them. Both kernels use wgmma (sm_90a) and bf16/f16 only: anything else raises NotImplementedError so `"auto"`
 falls back to the reference. Mosaic GPU has no interpret mode; CPU tests export the kernels for a
 CUDA target instead (tests/test_grouped_matmul.py), which runs Mosaic's lowering and its shared-memory
 check.
@@ -51,21 +49,6 @@ def _pad_axis(x, axis: int, multiple: int):
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, extra)
   return jnp.pad(x, widths)
-
-
-def _zero_rows_read_past_groups(x, group_sizes, block_k: int):
-  """x with rows [sum, sum + block_k) set to 0: the only rows past the groups the dW kernel reads.
-
-  Its last group's last K block ends before row sum + block_k; the kernel selects 0 for b's rows
-  outside the group, and a's meet those zeros (a NaN or inf there would survive 0 * x). A
-  dropped-out-of-range scatter of block_k rows, not a pass over all of x.
-  """
-  total = jnp.sum(group_sizes)
-  rows = total + jnp.arange(block_k)
-  # Under a cond: when the groups cover every row (the MoE's case) there is nothing to zero, and an
-  # unconditional scatter into a non-donated input copies all of it (1.3 ms at GLM-5.1 16K).
-  return jax.lax.cond(total < x.shape[0], lambda v: v.at[rows].set(jnp.zeros((), v.dtype), mode="drop"),
-                      lambda v: v, x)
 
 
 def _uniform_sizes(m: int, g: int) -> np.ndarray:
@@ -139,8 +122,8 @@ def _transposed(a, b, group_sizes, config):
   from pallas_kernels.grouped_matmul import tiled  # noqa: PLC0415
 
   p, q = a.shape[1], b.shape[1]
-  a = _pad_axis(_pad_axis(_zero_rows_read_past_groups(a, group_sizes, config.block_k), 1, config.block_m), 0, 8)
-  b = _pad_axis(_pad_axis(_zero_rows_read_past_groups(b, group_sizes, config.block_k), 1, config.columns), 0, 8)
+  a = _pad_axis(_pad_axis(a, 1, config.block_m), 0, 8)
+  b = _pad_axis(_pad_axis(b, 1, config.columns), 0, 8)
   out = tiled.transposed_grouped_matmul_tiled(a, b, group_sizes, config=config, num_sms=jax.devices()[0].core_count)
   return out[:, :p, :q]
 

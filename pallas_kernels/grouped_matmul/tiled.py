@@ -220,16 +220,18 @@ def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs
 
 
 def group_table(group_sizes: jax.Array) -> jax.Array:
-  """int32[3, G] per group: (first row read, a multiple of 8; rows [lo, hi) of the group from it).
+  """int32[4, G] per group: (first row read, a multiple of 8; rows [lo, hi) of the group from it;
+  the row, from it, where the rows past all groups begin).
 
-  The dW kernel walks rows first_row + [0, ceil(hi / block_k) * block_k) and zeroes, in the blocks
-  that hold them, the rows outside [lo, hi) (the neighbouring groups'). An empty group has lo = hi.
+  The dW kernel walks rows first_row + [0, ceil(hi / block_k) * block_k) and selects 0, in the blocks
+  that hold them, for b's rows outside [lo, hi) (the neighbouring groups') and for a's rows past all
+  groups (which may hold anything). An empty group has lo = hi.
   """
   sizes = group_sizes.astype(jnp.int32)
   ends = jnp.cumsum(sizes)
   starts = ends - sizes
   first_row = starts // 8 * 8
-  return jnp.stack([first_row, starts - first_row, ends - first_row]).astype(jnp.int32)
+  return jnp.stack([first_row, starts - first_row, ends - first_row, ends[-1] - first_row]).astype(jnp.int32)
 
 
 def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sms: int | None = None):
@@ -238,10 +240,11 @@ def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sm
   Persistent over (group, P block, Q block) work items, group-major so a group's rows stay in L2
   while its tiles are computed. A CTA computes block_m x 2 * block_n of one group's output: a TMA
   producer streams block_k rows of a and b at a time; each consumer warpgroup zeroes, in the first
-  and last block, its half of b's rows that belong to other groups, then accumulates `a_blk^T @ b_blk`
-  in f32. P must be a multiple of block_m and Q of 2 * block_n (the caller pads); rows of a and b in
-  [sum(group_sizes), sum + block_k) must be finite (the caller zeroes them): they meet a 0 there. An
-  empty group's output is 0.
+  and last block, its half of b's rows that belong to other groups, and, in a block that reaches past
+  the groups, a's rows there (both warpgroups write the same zeros to the shared a block, so the
+  order does not matter), then accumulates `a_blk^T @ b_blk` in f32. Rows past sum(group_sizes) may
+  hold anything, NaN included. P must be a multiple of block_m and Q of 2 * block_n (the caller pads).
+  An empty group's output is 0.
   """
   m, p = a.shape
   q = b.shape[1]
@@ -292,6 +295,7 @@ def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sm
         group = info.index[0]
         p_block, q_block = plgpu.planar_snake(info.index[1], (p_blocks, q_blocks), 1, config.grid_block_n)
         first_row, lo, hi = pl.multiple_of(table_gmem[0, group], 8), table_gmem[1, group], table_gmem[2, group]
+        past_groups = table_gmem[3, group]
         steps = (hi + tile_k - 1) // tile_k
         smem_row = pl.multiple_of(wg * tile_p, tile_p)
         out_tile = out_gmem.at[group, pl.ds(p_block * tile_p, tile_p), pl.ds(q_block * block_q + wg * tile_q, tile_q)]
@@ -324,6 +328,14 @@ def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sm
               row = row + step * tile_k
               values = b_half[...]
               b_half[...] = jnp.where((row >= lo) & (row < hi), values, jnp.zeros_like(values))
+              plgpu.commit_smem()
+
+            @pl.when((step + 1) * tile_k > past_groups)  # 0 * NaN is NaN: a's rows past the groups too
+            def _():
+              row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (tile_k, tile_p), 0), plgpu.Layout.WGMMA)
+              row = row + step * tile_k
+              values = a_smem[...]
+              a_smem[...] = jnp.where(row < past_groups, values, jnp.zeros_like(values))
               plgpu.commit_smem()
 
             plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)), b_half)
