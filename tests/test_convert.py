@@ -215,7 +215,7 @@ def test_unsupported_fields_are_one_line_naming_all_before_any_tensor(tmp_path):
 
 def test_hash_constants_that_differ_from_the_config_are_refused(tmp_path):
   ckpt = _copy_with_config(FIXTURES / "qwen4_exp_engram", tmp_path / "ckpt", seed=4321)
-  with pytest.raises(convert.CheckpointMismatchError, match=r"model.layers.1.ple.ple_embedding.layer_multipliers holds"):
+  with pytest.raises(convert.CheckpointMismatchError, match=r"layers.1.ple.ple_embedding.layer_multipliers holds"):
     convert.import_checkpoint(str(ckpt))
 
 
