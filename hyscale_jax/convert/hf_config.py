@@ -152,9 +152,9 @@ def deepseek_v4_from_hf(hf: dict) -> dict:
   if ratio["csa"] == ratio["hca"]:
     raise UnsupportedConfigError(f"deepseek_v4: compress_rates={rates} must differ between CSA and HCA.")
   # transformers: without mlp_layer_types, the first num_hash_layers (default 3) layers are hash-routed.
-  mlp_types = hf.get("mlp_layer_types") or ["hash_moe"] * min(n, hf.get("num_hash_layers", 3)) + ["moe"] * n
+  mlp_types = (hf.get("mlp_layer_types") or ["hash_moe"] * hf.get("num_hash_layers", 3) + ["moe"] * n)[:n]
   n_hash = mlp_types.count("hash_moe")
-  if mlp_types[:n] != ["hash_moe"] * n_hash + ["moe"] * (n - n_hash):
+  if mlp_types != ["hash_moe"] * n_hash + ["moe"] * (n - n_hash):
     raise UnsupportedConfigError(f"deepseek_v4: mlp_layer_types={mlp_types} is not 'hash_moe' layers then 'moe' layers.")
   _require(hf, "num_key_value_heads", (1,), "deepseek_v4")
   _require(hf, "hidden_act", ("silu",), "deepseek_v4")
