@@ -283,3 +283,26 @@ def test_yarn_and_hash_routing_fixtures_are_within_1e_5_and_use_their_features()
   table = np.asarray(model.layers[0].mlp.tid2eid[...])
   hf_table = CheckpointReader(str(FIXTURES / "deepseek_v4_yarn_hash")).read("model.layers.0.ffn.gate.tid2eid")
   assert table.dtype == np.int32 and np.array_equal(table, hf_table) and len(np.unique(table)) > 1
+
+
+def test_deepseek_v4_config_forms_read_as_transformers_reads_them():
+  base = json.loads((FIXTURES / "deepseek_v4_yarn_hash" / "config.json").read_text())
+  edited = lambda **changes: {**json.loads(json.dumps(base)), **changes}
+  without_types = edited()
+  del without_types["mlp_layer_types"]
+  assert convert.from_hf(without_types).n_hash_layers == 3  # transformers' default
+  assert convert.from_hf({**without_types, "num_hash_layers": 1}).n_hash_layers == 1
+  with pytest.raises(convert.UnsupportedConfigError, match=r"mlp_layer_types=\['moe', 'hash_moe'"):
+    convert.from_hf(edited(mlp_layer_types=["moe", "hash_moe", "moe", "moe"]))
+  # The published form: a flat (legacy) rope_scaling is the compressed layers' YaRN, attention factor 1.
+  flat = edited(rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                              "beta_fast": 32, "beta_slow": 1})
+  del flat["rope_parameters"]
+  cfg = convert.from_hf(flat)
+  assert (cfg.rope_yarn_factor, cfg.rope_yarn_attention_factor, cfg.compress_rope_theta) == (16.0, 1.0, 160000.0)
+  nested = edited()
+  del nested["rope_parameters"]["compress"]["attention_factor"]  # transformers then derives 0.1 ln 16 + 1
+  assert convert.from_hf(nested).rope_yarn_attention_factor == 0.0
+  nested["rope_parameters"]["main"]["rope_type"] = "yarn"
+  with pytest.raises(convert.UnsupportedConfigError, match="rope_parameters.main.rope_type='yarn'"):
+    convert.from_hf(nested)
