@@ -181,7 +181,8 @@ class Decoder(nnx.Module):
             for j in range(period)]
 
   def _run_layers(self, x, positions, segment_ids, activation_axes, *, dense, backends, token_ids=None):
-    """The layer stack: x [B, T, D] (or streams [B, T, N, D]) -> (x, indexer losses, expert loads).
+    """The layer stack: x [B, T, D] (or streams [B, T, N, D]) -> (x, indexer losses, expert loads);
+    `token_ids` i32[B, T] reach every MoE layer (hash-routed ones choose their experts by them).
 
     The losses (f32[] each) and loads (f32[E] each) are per-layer lists in layer order. Each layer
     runs under `jax.checkpoint` with the config's remat policy. IndexShare: a layer without its own
