@@ -15,11 +15,12 @@ from hyscale_jax import models
 from hyscale_jax.convert import hf_config
 from hyscale_jax.convert.names import TensorRule, tensor_rules
 from hyscale_jax.convert.safetensors_dir import CheckpointReader, CheckpointWriter
-from hyscale_jax.layers.moe import RouterBias
+from hyscale_jax.layers.moe import RouterBias, RoutingTable
 from hyscale_jax.model_config import ModelConfig
 
-# What a checkpoint holds: the parameters and the MoE router bias (moved by load, not by gradients).
-CHECKPOINT_VARIABLES = nnx.Any(nnx.Param, RouterBias)
+# What a checkpoint holds: the parameters, the MoE router bias (moved by load, not by gradients) and the
+# hash-routing tables (fixed).
+CHECKPOINT_VARIABLES = nnx.Any(nnx.Param, RouterBias, RoutingTable)
 ShardingSpec = jax.sharding.Sharding | Callable[[tuple, tuple[int, ...]], jax.sharding.Sharding] | None
 
 

@@ -36,6 +36,7 @@ _RENAMES: dict[str, list[tuple[str, str]]] = {
         (r"^self_attn\.", "attn."),
         (r"\.position_bias$", ".ape"),
         (r"^mlp\.e_score_correction_bias$", "ffn.gate.bias"),
+        (r"^mlp\.tid2eid$", "ffn.gate.tid2eid"),
         (r"^mlp\.shared_experts\.gate_proj\.", "ffn.shared_experts.w1."),
         (r"^mlp\.shared_experts\.up_proj\.", "ffn.shared_experts.w3."),
         (r"^mlp\.shared_experts\.down_proj\.", "ffn.shared_experts.w2."),
@@ -105,6 +106,19 @@ def _stack_transposed(shape: tuple[int, ...]) -> Callable[[Iterator[np.ndarray]]
   return stack
 
 
+def _expert_ids(n_experts: int) -> Callable[[Iterator[np.ndarray]], np.ndarray]:
+  """Reads a `tid2eid` table, checking that every entry names one of the n_experts experts."""
+
+  def read(arrays):
+    table = _single(arrays)
+    if table.dtype.kind not in "iu" or table.size and not 0 <= table.min() <= table.max() < n_experts:
+      raise ValueError(f"the hash-routing table (dtype {table.dtype}, shape {table.shape}) must hold expert ids "
+                       f"in [0, {n_experts}), got [{table.min()}, {table.max()}]")
+    return table
+
+  return read
+
+
 def _rule_for(cfg: ModelConfig, path: Path, shape: tuple[int, ...]) -> TensorRule:
   arch = cfg.architecture
   if path == ("lm_head", "kernel"):
@@ -128,6 +142,8 @@ def _rule_for(cfg: ModelConfig, path: Path, shape: tuple[int, ...]) -> TensorRul
                         lambda a: [np.ascontiguousarray(a.T[:, None])])
     local += ".weight" if local == "linear_attn.norm" else ""
   leaf = local.rsplit(".", 1)[-1]
+  if leaf == "tid2eid":  # the hash-routing table: int32 here, torch's int64 there
+    return TensorRule(path, (prefix + local,), _expert_ids(cfg.n_routed_experts), lambda a: [a.astype(np.int64)])
   if arch == "deepseek_v4" and local.endswith("attn.wo_a"):  # [G, in, o] <-> [G * o, in]
     g, fan_in, rank = shape
     return TensorRule(path, (prefix + local + ".weight",),

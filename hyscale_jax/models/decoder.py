@@ -88,21 +88,24 @@ class DecoderLayer(nnx.Module):
                      cfg.n_shared_experts, scoring=cfg.scoring, routed_scaling=cfg.routed_scaling,
                      norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group, topk_group=cfg.topk_group,
                      swiglu_limit=cfg.swiglu_limit, shared_expert_gate=cfg.shared_expert_gate,
-                     selection_bias=cfg.router_bias, token_chunk=cfg.moe_token_chunk, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+                     selection_bias=cfg.router_bias and not cfg.is_hash_moe(layer), token_chunk=cfg.moe_token_chunk,
+                     hash_vocab=cfg.vocab_size if cfg.is_hash_moe(layer) else 0, rngs=rngs, dtype=dtype,
+                     param_dtype=pdtype)
     else:
       self.mlp = MLP(cfg.d_model, cfg.dense_inter, swiglu_limit=cfg.swiglu_limit, rngs=rngs, dtype=dtype,
                      param_dtype=pdtype)
 
-  def __call__(self, x, positions, segment_ids, *, dense=False, shared_indices=None, backends=None):
+  def __call__(self, x, positions, segment_ids, *, dense=False, shared_indices=None, backends=None, token_ids=None):
     """x [B, T, D] (or streams [B, T, N, D]) -> (x like the input, indices or None, indexer_loss or None,
-    expert_load f32[E] or None)."""
+    expert_load f32[E] or None). `token_ids` i32[B, T]: the input tokens, for hash-routed MoE layers."""
     prenorm = lambda norm, h: h if norm is None else norm(h)
     h, mix = _enter(self.attn_hc, x)
     attn = self.self_attn(prenorm(self.input_layernorm, h), positions, segment_ids, dense=dense,
                           shared_indices=shared_indices, backends=backends)
     x = _leave(self.attn_hc, x, attn.out, mix)
     h, mix = _enter(self.mlp_hc, x)
-    ffn = self.mlp(prenorm(self.post_attention_layernorm, h), backends=backends)
+    moe_args = {"token_ids": token_ids} if isinstance(self.mlp, MoE) else {}
+    ffn = self.mlp(prenorm(self.post_attention_layernorm, h), backends=backends, **moe_args)
     ffn, load = ffn if isinstance(ffn, tuple) else (ffn, None)
     return _leave(self.mlp_hc, x, ffn, mix), attn.indices, attn.indexer_loss, load
 
@@ -177,8 +180,9 @@ class Decoder(nnx.Module):
             for start, period, repeats, direct in self.layer_runs() if repeats > direct
             for j in range(period)]
 
-  def _run_layers(self, x, positions, segment_ids, activation_axes, *, dense, backends):
-    """The layer stack: x [B, T, D] (or streams [B, T, N, D]) -> (x, indexer losses, expert loads).
+  def _run_layers(self, x, positions, segment_ids, activation_axes, *, dense, backends, token_ids=None):
+    """The layer stack: x [B, T, D] (or streams [B, T, N, D]) -> (x, indexer losses, expert loads);
+    `token_ids` i32[B, T] reach every MoE layer (hash-routed ones choose their experts by them).
 
     The losses (f32[] each) and loads (f32[E] each) are per-layer lists in layer order. Each layer
     runs under `jax.checkpoint` with the config's remat policy. IndexShare: a layer without its own
@@ -196,9 +200,10 @@ class Decoder(nnx.Module):
     folds into the stored arrays, and neither copy nor slices remain.
     """
     policy = self.cfg.remat_policy
-    def run_layer(graphdef, state, x, positions, segment_ids, shared_indices):
+    def run_layer(graphdef, state, x, positions, segment_ids, shared_indices, token_ids):
       layer = nnx.merge(graphdef, state)  # a pure function of the layer's state, for jax.checkpoint
-      return layer(x, positions, segment_ids, dense=dense, shared_indices=shared_indices, backends=backends)
+      return layer(x, positions, segment_ids, dense=dense, shared_indices=shared_indices, backends=backends,
+                   token_ids=token_ids)
 
     if policy != "none":
       T = x.shape[1]
@@ -212,7 +217,8 @@ class Decoder(nnx.Module):
         # Between layers the activations are split over batch and sequence, whole in D: FSDP gathers
         # the weights rather than splitting the activations' width.
         x = shd.shard(x, activation_axes)
-        x, layer_indices, indexer_loss, load = run_layer(graphdef, state, x, positions, segment_ids, indices)
+        x, layer_indices, indexer_loss, load = run_layer(graphdef, state, x, positions, segment_ids, indices,
+                                                               token_ids)
         if owns:
           indices = layer_indices
         losses += [] if indexer_loss is None else [indexer_loss]
@@ -280,7 +286,7 @@ class Decoder(nnx.Module):
     if self.hc_head is not None:
       x, activation_axes = expand_streams(x, self.cfg.hc_mult), (shd.BATCH, shd.LENGTH, None, shd.ACT_EMBED)
     x, indexer_losses, loads = self._run_layers(x, positions, segment_ids, activation_axes, dense=dense,
-                                                backends=backends)
+                                                backends=backends, token_ids=tokens)
     if self.hc_head is not None:
       x = self.hc_head(x)
     if self.norm is not None:
