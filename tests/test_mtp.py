@@ -2,20 +2,24 @@
 
 import dataclasses
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from configs import deepseek_v4_flash, glm5_1, qwen3_8_flash_next
-from hyscale_jax import models
+from hyscale_jax import convert, models
+from hyscale_jax.convert.safetensors_dir import CheckpointReader
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.models.mtp import depth_targets
 from hyscale_jax.training import lm, memory
 from tests import lm_runs
 from tests.oracles import mtp_loss_oracle
+from tests.test_convert import FIXTURES, _relative_error
 
 _GLM = ModelConfig(
     vocab_size=64, d_model=32, n_layers=2, first_k_dense=1, dense_inter=32, n_heads=2, q_lora_rank=16,
@@ -81,7 +85,9 @@ def test_mtp_loss_matches_the_float64_oracle_and_leaves_the_main_model_alone():
   assert per_depth[0] != per_depth[1] and all(np.isfinite(per_depth))
 
 
-@pytest.mark.parametrize("cfg", [_GLM, _V4, _QWEN], ids=lambda c: c.architecture)
+# GLM's run is the fast check; the other families' (same code path, their blocks) are slow.
+@pytest.mark.parametrize("cfg", [_GLM, pytest.param(_V4, marks=pytest.mark.slow),
+                                 pytest.param(_QWEN, marks=pytest.mark.slow)], ids=lambda c: c.architecture)
 def test_gradients_reach_the_mtp_depths_and_the_shared_embedding(cfg):
   model = models.build(dataclasses.replace(cfg, mtp_depth=1), rngs=nnx.Rngs(0))
   tokens, targets, mask = _batch(cfg, seed=1)
@@ -123,10 +129,10 @@ def test_mtp_is_built_after_the_main_model_and_counted_by_the_memory_estimate():
     ModelConfig(mtp_depth=-1)
 
 
-@pytest.mark.parametrize("get_config, small", [(glm5_1.get_config, _GLM),
-                                               (deepseek_v4_flash.get_config, _V4),
-                                               (qwen3_8_flash_next.get_config, _QWEN)],
-                         ids=["glm_moe_dsa", "deepseek_v4", "qwen4_exp"])
+@pytest.mark.parametrize("get_config, small", [
+    pytest.param(glm5_1.get_config, _GLM, id="glm_moe_dsa"),
+    pytest.param(deepseek_v4_flash.get_config, _V4, id="deepseek_v4", marks=pytest.mark.slow),
+    pytest.param(qwen3_8_flash_next.get_config, _QWEN, id="qwen4_exp", marks=pytest.mark.slow)])
 def test_train_py_logs_mtp_loss_trains_and_resumes(get_config, small, tmp_path):
   make = lambda steps: lm_runs.small_lm_config(get_config, small, tmp_path, steps, mtp_depth=1)
   workdir = tmp_path / "run"
@@ -147,3 +153,58 @@ def test_bad_mtp_loss_weight_is_rejected(tmp_path):
   config.train.mtp_loss_weight = -0.1
   with pytest.raises(ValueError, match="mtp_loss_weight"):
     lm.setup(config)
+
+
+_FIXTURES = {"glm_moe_dsa_mtp": "num_nextn_predict_layers", "deepseek_v4_mtp": "num_nextn_predict_layers",
+             "qwen4_exp_mtp": "mtp_num_hidden_layers"}
+
+
+def test_glm_mtp_logits_match_transformers():
+  # transformers' MTP layer (eh_proj, GLM's decoder layer, shared_head.norm, the shared head) on the
+  # fixture's checkpoint: make_hf_fixtures.py `_glm_mtp_logits`, at positions t + 1 (RoPE is relative).
+  source = FIXTURES / "glm_moe_dsa_mtp"
+  model = convert.import_checkpoint(str(source), remat_policy="none")
+  outputs = load_file(str(source / "outputs.safetensors"))
+  tokens = jnp.asarray(outputs["input_ids"])
+  next_tokens = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)  # the last column is never used
+  h, aux = model.hidden_states(tokens, mtp_tokens=next_tokens)
+  assert _relative_error(np.asarray(model.logits(h)), outputs["logits"]) < 1e-5
+  mtp_logits = np.asarray(model.logits(aux["mtp_hidden"][0]))[:, :-1]
+  assert _relative_error(mtp_logits, outputs["mtp_logits"]) < 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(_FIXTURES))
+def test_mtp_checkpoints_import_and_export_bit_for_bit(name, tmp_path):
+  source = FIXTURES / name
+  model = convert.import_checkpoint(str(source), remat_policy="none")
+  assert model.cfg.mtp_depth == 1 and len(model.mtp) == 1
+  outputs = load_file(str(source / "outputs.safetensors"))
+  assert _relative_error(np.asarray(model(jnp.asarray(outputs["input_ids"])).logits), outputs["logits"]) < 1e-5
+  convert.export_checkpoint(model, str(tmp_path), max_shard_bytes=100_000)
+  assert json.loads((tmp_path / "config.json").read_text())[_FIXTURES[name]] == 1
+  original, exported = CheckpointReader(str(source)), CheckpointReader(str(tmp_path))
+  assert original.names() == exported.names()
+  assert any("mtp" in n or n.startswith(f"model.layers.{model.cfg.n_layers}.") for n in original.names())
+  for tensor in sorted(original.names()):
+    assert np.array_equal(original.read(tensor), exported.read(tensor)), tensor
+  if name == "deepseek_v4_mtp":  # e_proj and h_proj are the two halves of our eh_proj
+    kernel = np.asarray(model.mtp[0].eh_proj.kernel[...])
+    np.testing.assert_array_equal(kernel[:model.cfg.d_model], original.read("mtp.0.e_proj.weight").T)
+    np.testing.assert_array_equal(kernel[model.cfg.d_model:], original.read("mtp.0.h_proj.weight").T)
+
+
+def test_checkpoints_without_mtp_tensors_import_without_mtp(tmp_path):
+  # What transformers saves: its config's MTP count (DeepSeek-V4 defaults to 1), no MTP tensors.
+  assert json.loads((FIXTURES / "deepseek_v4" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+  assert convert.read_config(str(FIXTURES / "deepseek_v4")).mtp_depth == 0
+  # GLM's MTP layer also stores the embedding and head: a copy that differs is refused, by name.
+  shutil.copytree(FIXTURES / "glm_moe_dsa_mtp", tmp_path / "ckpt")
+  reader = CheckpointReader(str(tmp_path / "ckpt"))
+  name = "model.layers.3.embed_tokens.weight"
+  path = tmp_path / "ckpt" / "model-mtp.safetensors"
+  tensors = load_file(str(path))
+  tensors[name] = tensors[name] + 1.0
+  save_file(tensors, str(path))
+  del reader
+  with pytest.raises(convert.CheckpointMismatchError, match="embed_tokens"):
+    convert.import_checkpoint(str(tmp_path / "ckpt"))
