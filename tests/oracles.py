@@ -525,14 +525,17 @@ def mtp_loss_oracle(main_hidden, targets, loss_mask, embedding, head, depths, *,
   counts where loss_mask[t .. t + 1 + d] are all 1 (positions past T count 0), written with loops.
 
   Args:
-    main_hidden: [B, T, D] the main model's normalised hidden state (depth 0's `prev`).
+    main_hidden: [B, T, D] the main model's normalised hidden state (depth 0's `prev`), or its
+      residual streams [B, T, N, D] (DeepSeek-V4): the embedding then joins every stream, and the
+      next depth takes the block's output streams.
     targets: int[B, T]; loss_mask: [B, T]; embedding: [V, D]; head: [D, V].
-    depths: per depth a dict with `enorm`, `hnorm`, `norm` ([D] RMSNorm weights), `eh_proj` ([2D, D])
-      and `block` (a callable [B, T, D] -> [B, T, D], the decoder block).
+    depths: per depth a dict with `enorm`, `hnorm`, `norm` ([D] RMSNorm weights), `eh_proj` ([2D, D]),
+      `block` (a callable, the decoder block, shape-preserving) and with streams `collapse` (a
+      callable [B, T, N, D] -> [B, T, D] before `norm`).
   """
   h, targets, loss_mask = _f64(main_hidden), np.asarray(targets), _f64(loss_mask)
   E, W = _f64(embedding), _f64(head)
-  B, T, _ = h.shape
+  B, T = h.shape[:2]
   rms = lambda x, w: x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f64(w)
   losses = []
   for d, depth in enumerate(depths):
@@ -540,9 +543,13 @@ def mtp_loss_oracle(main_hidden, targets, loss_mask, embedding, head, depths, *,
     for b in range(B):
       for t in range(T - d):
         tokens[b, t] = targets[b, t + d]
-    x = np.concatenate([rms(E[tokens], depth["enorm"]), rms(h, depth["hnorm"])], axis=-1) @ _f64(depth["eh_proj"])
-    h = rms(_f64(depth["block"](x)), depth["norm"])
-    logits = h @ W
+    e = rms(E[tokens], depth["enorm"])
+    if h.ndim == 4:
+      e = np.broadcast_to(e[:, :, None, :], h.shape)
+    x = _f64(depth["block"](np.concatenate([e, rms(h, depth["hnorm"])], axis=-1) @ _f64(depth["eh_proj"])))
+    out = rms(_f64(depth["collapse"](x)) if x.ndim == 4 else x, depth["norm"])
+    h = x if x.ndim == 4 else out
+    logits = out @ W
     total, count = 0.0, 0.0
     for b in range(B):
       for t in range(T):

@@ -13,6 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 from configs import deepseek_v4_flash, glm5_1, qwen3_8_flash_next
 from hyscale_jax import convert, models
+from hyscale_jax.layers.hyper_connections import expand_streams
 from hyscale_jax.convert.safetensors_dir import CheckpointReader
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.models.mtp import depth_targets
@@ -86,6 +87,26 @@ def test_mtp_loss_matches_the_float64_oracle_and_leaves_the_main_model_alone():
 
 
 # GLM's run is the fast check; the other families' (same code path, their blocks) are slow.
+def test_deepseek_v4_mtp_takes_the_streams_and_matches_the_float64_oracle():
+  cfg = dataclasses.replace(_V4, remat_policy="none")
+  model = models.build(cfg, rngs=nnx.Rngs(0))
+  tokens, targets, mask = _batch(cfg, seed=2)
+  _, aux = model.hidden_states(tokens, mtp_tokens=targets)
+  loss = model.mtp_loss(aux["mtp_hidden"], targets, mask)
+  positions, segments = jnp.broadcast_to(jnp.arange(T), (B, T)), jnp.zeros((B, T), jnp.int32)
+  # The main model's streams before its collapse: what DeepSeek's MTPBlock takes.
+  streams, _, _ = model._run_layers(expand_streams(model.embed_tokens(tokens), cfg.hc_mult), positions, segments,
+                                    (None,) * 4, dense=False, backends=None)
+  depth = model.mtp[0]
+  as_f64 = lambda f: lambda x: np.asarray(f(jnp.asarray(x, jnp.float32)), np.float64)
+  depths = [dict(enorm=depth.enorm.scale[...], hnorm=depth.hnorm.scale[...], norm=depth.norm.scale[...],
+                 eh_proj=depth.eh_proj.kernel[...], collapse=as_f64(depth.hc_head),
+                 block=as_f64(lambda x: depth.block(x, positions, segments)[0]))]
+  expected = mtp_loss_oracle(streams, targets, mask, model.embed_tokens.embedding[...], model.lm_head.kernel[...],
+                             depths, eps=cfg.rms_eps)
+  np.testing.assert_allclose(float(loss), expected, rtol=2e-5)
+
+
 @pytest.mark.parametrize("cfg", [_GLM, pytest.param(_V4, marks=pytest.mark.slow),
                                  pytest.param(_QWEN, marks=pytest.mark.slow)], ids=lambda c: c.architecture)
 def test_gradients_reach_the_mtp_depths_and_the_shared_embedding(cfg):
