@@ -110,7 +110,7 @@ def test_deepseek_v4_mtp_takes_the_streams_and_matches_the_float64_oracle():
 @pytest.mark.parametrize("cfg", [_GLM, pytest.param(_V4, marks=pytest.mark.slow),
                                  pytest.param(_QWEN, marks=pytest.mark.slow)], ids=lambda c: c.architecture)
 def test_gradients_reach_the_mtp_depths_and_the_shared_embedding(cfg):
-  model = models.build(dataclasses.replace(cfg, mtp_depth=1), rngs=nnx.Rngs(0))
+  model = models.build(dataclasses.replace(cfg, mtp_depth=1, remat_policy="none"), rngs=nnx.Rngs(0))
   tokens, targets, mask = _batch(cfg, seed=1)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -124,15 +124,7 @@ def test_gradients_reach_the_mtp_depths_and_the_shared_embedding(cfg):
                             if ".".join(map(str, p)).startswith(prefix))
   for part in ("mtp.0.eh_proj", "mtp.0.enorm", "mtp.0.hnorm", "mtp.0.block.mlp", "mtp.0.block.self_attn",
                "embed_tokens", "layers.0"):
-    assert norm(part) > 0, part
-  # The MTP loss trains the main layers through `prev`; only the main LM loss reaches nothing of MTP.
-  def main_only(params):
-    m = nnx.merge(graphdef, params, rest)
-    h, _ = m.hidden_states(tokens)
-    return m.lm_loss(h, targets, mask)
-
-  grads = dict(nnx.to_flat_state(jax.grad(main_only)(params)))
-  assert norm("mtp") == 0
+    assert norm(part) > 0, part  # the MTP loss also trains the main layers, through `prev`
 
 
 def test_mtp_is_built_after_the_main_model_and_counted_by_the_memory_estimate():
@@ -198,9 +190,8 @@ def test_glm_mtp_logits_match_transformers():
 def test_mtp_checkpoints_import_and_export_bit_for_bit(name, tmp_path):
   source = FIXTURES / name
   model = convert.import_checkpoint(str(source), remat_policy="none")
+  # The main model is its base fixture's, whose logits test_convert.py compares with transformers.
   assert model.cfg.mtp_depth == 1 and len(model.mtp) == 1
-  outputs = load_file(str(source / "outputs.safetensors"))
-  assert _relative_error(np.asarray(model(jnp.asarray(outputs["input_ids"])).logits), outputs["logits"]) < 1e-5
   convert.export_checkpoint(model, str(tmp_path), max_shard_bytes=100_000)
   assert json.loads((tmp_path / "config.json").read_text())[_FIXTURES[name]] == 1
   original, exported = CheckpointReader(str(source)), CheckpointReader(str(tmp_path))
