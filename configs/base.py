@@ -89,6 +89,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Before compiling, estimate the per-device memory and stop with the knobs that would fit when it
   # clearly exceeds the device (hyscale_jax/training/memory.py).
   config.train.memory_preflight = True
+  # Weight of the MTP loss (mean over model.mtp_depth depths) in the sparse stage's total; DeepSeek-V3
+  # used 0.3, then 0.1 for the last part of training. Nothing when model.mtp_depth is 0.
+  config.train.mtp_loss_weight = 0.3
   return config
 
 

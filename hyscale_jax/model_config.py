@@ -143,6 +143,11 @@ class ModelConfig:
   lm_loss_chunk: int = 2048
   # QSA indexer q/k norms zero-centred (weight applied as 1 + w), as transformers' qwen4_exp has them.
   indexer_norm_zero_centered: bool = False
+  # Multi-token prediction (models/mtp.py): this many extra blocks after the last layer, depth d
+  # predicting token t + 2 + d at position t from depth d-1's hidden state and the embedding of
+  # token t + 1 + d; they share the embedding and the LM head (0: none). The published GLM-5.1,
+  # DeepSeek-V4 and Qwen3.8-Flash-Next have 1.
+  mtp_depth: int = 0
   # Numerics and memory.
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -210,6 +215,8 @@ class ModelConfig:
                        "(0: unchunked).")
     if not isinstance(self.lm_loss_chunk, int) or self.lm_loss_chunk < 0:
       raise ValueError(f"model.lm_loss_chunk={self.lm_loss_chunk!r} must be an int >= 0 (0: unchunked).")
+    if not isinstance(self.mtp_depth, int) or isinstance(self.mtp_depth, bool) or self.mtp_depth < 0:
+      raise ValueError(f"model.mtp_depth={self.mtp_depth!r} must be an int >= 0 (0: no MTP).")
     self._check_hyper_connections()
     self._check_yarn_and_hash()
     if self.shared_expert_gate and self.n_shared_experts < 1:

@@ -16,6 +16,10 @@ from hyscale_jax.model_config import EXECUTION_FIELDS, ModelConfig, index_share_
 _V4_KINDS = {"sliding_attention": "swa", "compressed_sparse_attention": "csa",
              "heavily_compressed_attention": "hca"}
 _QWEN_KINDS = {"indexed_attention": "qsa", "full_attention": "qsa", "linear_attention": "gated_deltanet"}
+# The MTP layer count's field: DeepSeek's (GLM-5.1 keeps it; transformers' GlmMoeDsaConfig does not
+# declare it) and Qwen3-Next's / Qwen3.5's (transformers' qwen4_exp declares neither).
+MTP_FIELDS = {"glm_moe_dsa": "num_nextn_predict_layers", "deepseek_v4": "num_nextn_predict_layers",
+              "qwen4_exp": "mtp_num_hidden_layers", "qwen4_exp_text": "mtp_num_hidden_layers"}
 
 
 class UnsupportedConfigError(ValueError):
@@ -305,6 +309,7 @@ def from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
   if model_type not in _FROM_HF:
     raise UnsupportedConfigError(f"config.json model_type={model_type!r} is not one of {sorted(_FROM_HF)}.")
   fields = _FROM_HF[model_type](hf)
+  fields["mtp_depth"] = int((hf.get("text_config") or hf).get(MTP_FIELDS[model_type]) or 0)
   dtype = hf.get("dtype") or hf.get("torch_dtype")
   if dtype in ("float32", "bfloat16") and "param_dtype" not in overrides:
     fields["param_dtype"] = dtype
@@ -316,7 +321,7 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
   """The transformers `config.json` dict for `cfg` (an error for fields transformers cannot express)."""
   if cfg.architecture not in _TO_HF:
     raise UnsupportedConfigError(f"no export for model.architecture={cfg.architecture!r}.")
-  return _TO_HF[cfg.architecture](cfg)
+  return dict(_TO_HF[cfg.architecture](cfg), **{MTP_FIELDS[cfg.architecture]: cfg.mtp_depth})
 
 
 def architectural_fields(cfg: ModelConfig) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from flax import nnx
 
 from hyscale_jax.layers.gated_deltanet import GatedDeltaNet
 from hyscale_jax.layers.hyper_connections import GatedResidual
+from hyscale_jax.layers.norms import ZeroCenteredRMSNorm
 from hyscale_jax.layers.qsa import QSAAttention
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.models.decoder import Decoder
@@ -19,9 +20,15 @@ class Qwen4Exp(Decoder):
   final norm (the final collapse is `hc_head`, transformers' `hyper_connection_mixer`); the shared
   expert is sigmoid-gated with `shared_expert_gate`. A "qsa" layer's mixer is `QSAAttention`, a
   "gated_deltanet" layer's (3 of every 4 in the published model) `GatedDeltaNet`. Not implemented
-  (README feature table): the Engram n-gram embedding, MTP, and MRoPE (it reduces to 1-D RoPE for
-  text).
+  (README feature table): the Engram n-gram embedding, and MRoPE (it reduces to 1-D RoPE for
+  text). An MTP depth (models/mtp.py) is a "qsa" layer with zero-centred norms, as Qwen3-Next's.
   """
+
+  def make_mtp_attention(self, cfg: ModelConfig, depth: int, rngs: nnx.Rngs) -> nnx.Module:
+    return QSAAttention(cfg, rngs=rngs)
+
+  def make_mtp_norm(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    return ZeroCenteredRMSNorm(cfg.d_model, eps=cfg.rms_eps, param_dtype=jnp.dtype(cfg.param_dtype))
 
   def make_attention(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
     if cfg.layer_types[layer] == "gated_deltanet":

@@ -91,6 +91,9 @@ def _model_config(config) -> ModelConfig:
     least = 0 if name in ("warmup_steps", "checkpoint_every") else 1
     if not isinstance(value, int) or value < least:
       raise ValueError(f"train.{name}={value!r} must be an int >= {least}.")
+  weight = config.train.get("mtp_loss_weight", 0.0)
+  if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+    raise ValueError(f"train.mtp_loss_weight={weight!r} must be a number >= 0.")
   return cfg
 
 
@@ -287,18 +290,26 @@ def build_training(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh, ru
   state_shardings = shd.state_shardings(state, mesh, rules)
   state = jax.device_put(state, state_shardings)
 
-  def forward(params, rest, batch, dense):
+  mtp_weight = config.train.get("mtp_loss_weight", 0.0)
+
+  def forward(params, rest, batch, dense, with_mtp=True):
     model = nnx.merge(graphdef, layer_stacks.per_layer(params, groups), rest)
+    mtp_tokens = batch["targets"] if with_mtp and cfg.mtp_depth else None
     h, aux = model.hidden_states(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                                 dense=dense, backends=config.ops)
+                                 dense=dense, backends=config.ops, mtp_tokens=mtp_tokens)
+    if mtp_tokens is not None:  # the MTP depths' losses, chunked the same way
+      aux["mtp_loss"] = model.mtp_loss(aux.pop("mtp_hidden"), batch["targets"], batch["loss_mask"])
     # Chunked over the sequence (model.lm_loss_chunk): no [B, T, V] logits, forward or backward.
     return model.lm_loss(h, batch["targets"], batch["loss_mask"]), aux
 
   def objective(params, rest, batch, dense):
     lm, aux = forward(params, rest, batch, dense)
-    # Warm-up: only the indexer trains, and only from the KL. Sparse: LM + coeff * KL, which reach
-    # disjoint parameters (detached indexer inputs and teacher).
+    # Warm-up: only the indexer trains, and only from the KL (the MTP blocks' indexers too). Sparse:
+    # LM + mtp_loss_weight * MTP + coeff * KL; the KL reaches disjoint parameters (detached indexer
+    # inputs and teacher).
     total = aux["indexer_loss"] if dense else lm + config.optim.indexer_loss_coeff * aux["indexer_loss"]
+    if "mtp_loss" in aux and not dense:
+      total = total + mtp_weight * aux["mtp_loss"]
     return total, (lm, aux)
 
   @jax.jit(static_argnames="dense", donate_argnums=0, out_shardings=(state_shardings, NamedSharding(mesh, P())))
@@ -310,7 +321,9 @@ def build_training(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh, ru
     rest = state["rest"]
     if not dense and "expert_load" in aux:
       model = nnx.merge(graphdef, layer_stacks.per_layer(params, groups), rest)
-      moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+      # In aux["expert_load"]'s order: the main layers', then the MTP blocks'.
+      blocks = list(model.layers) + [depth.block for depth in (model.mtp or [])]
+      moes = [block.mlp for block in blocks if isinstance(block.mlp, MoE)]
       for moe, load in zip(moes, aux["expert_load"]):
         update_router_bias(moe, load, config.optim.router_bias_rate)
       _, _, rest = nnx.split(model, nnx.Param, ...)
@@ -321,11 +334,13 @@ def build_training(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh, ru
     new["skipped_steps"] = state["skipped_steps"] + (~finite).astype(jnp.int32)
     metrics = dict(loss=total, lm_loss=lm, indexer_loss=aux["indexer_loss"], grad_norm=optax.tree.norm(grads),
                    finite=finite)
+    if "mtp_loss" in aux:
+      metrics["mtp_loss"] = aux["mtp_loss"]
     return new, metrics
 
   @jax.jit(static_argnames="dense")
   def evaluate(params, rest, batch, dense):
-    return forward(params, rest, batch, dense)[0]
+    return forward(params, rest, batch, dense, with_mtp=False)[0]
 
   return Training(state, state_shardings, train_step, evaluate, objective, main_lr, indexer_lr, groups)
 
@@ -338,7 +353,7 @@ def _handle_nonfinite(policy, step, metrics, grads, skipped, checkpointer):
   if policy == "skip":
     logging.warning("step %d: non-finite loss or gradients; skipped (%d skipped so far)", step, skipped)
     return
-  named = [(name, metrics[name]) for name in ("lm_loss", "indexer_loss", "loss")]
+  named = [(name, metrics[name]) for name in ("lm_loss", "mtp_loss", "indexer_loss", "loss") if name in metrics]
   named += [("grad " + "/".join(map(str, path)), g) for path, g in nnx.to_flat_state(grads())]
   first = next(name for name, value in named if not bool(jnp.all(jnp.isfinite(jnp.asarray(value[...])))))
   raise FloatingPointError(
