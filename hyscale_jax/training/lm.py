@@ -152,6 +152,8 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
                                       split="validation")
   # This process reads only the rows its devices hold, and the same rows whatever the process count.
   rows = parallel.process_rows(mesh, config.data.batch_size)
+  logging.info("process %d reads rows %s of each global batch of %d", jax.process_index(), rows.tolist(),
+               config.data.batch_size)
   feed = lambda dataset, step: parallel.global_batch(  # noqa: E731
       mesh, dataset.batch(step, rows=rows), rows=rows, batch_size=config.data.batch_size)
 
