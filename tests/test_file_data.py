@@ -204,3 +204,33 @@ def test_pack_plan_is_first_fit(seed):
   rows = np.repeat(np.arange(len(plan["row_starts"]) - 1), np.diff(plan["row_starts"]))
   assert sorted(zip(rows.tolist(), plan["column"].tolist())) == _first_fit_by_scan(lengths.tolist(), seq_len)
   assert plan["length"].sum() == lengths.sum() + len(lengths)  # every token and one EOS per document
+
+
+@pytest.mark.slow
+def test_fine_tune_an_imported_checkpoint_on_own_jsonl(tmp_path, corpus):
+  # The README's command: init_from and data.tokenizer both name the Hugging Face folder, whose
+  # tokenizer_config.json names the EOS token.
+  from flax import nnx  # noqa: PLC0415
+
+  from configs import glm5_1  # noqa: PLC0415
+  from hyscale_jax import convert, models  # noqa: PLC0415
+  from hyscale_jax.model_config import ModelConfig  # noqa: PLC0415
+  from hyscale_jax.training import lm  # noqa: PLC0415
+
+  folder, _, tokenizer_path = corpus
+  config = glm5_1.get_config("tiny")
+  config.model.update(d_model=32, n_layers=2, first_k_dense=1, dense_inter=32, n_heads=2, q_lora_rank=16,
+                      kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=16, n_routed_experts=4,
+                      experts_per_token=2, moe_inter=16, index_n_heads=2, index_head_dim=16, index_rope_dim=8,
+                      index_topk=8, vocab_size=320)
+  hf = tmp_path / "hf"
+  convert.export_checkpoint(models.build(ModelConfig.from_config(config.model), rngs=nnx.Rngs(1)), str(hf))
+  (hf / "tokenizer.json").write_text(tokenizer_path.read_text())
+  (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": text_data.EOS_TOKEN}))
+  config.init_from = str(hf)
+  config.data.update(source="jsonl", path=str(folder / "corpus.jsonl"), tokenizer=str(hf), seq_len=32, batch_size=2)
+  config.train.update(steps=2, warmup_steps=1, log_every=1, checkpoint_every=0, progress_bar=False)
+  rows = lm.train_and_evaluate(config, str(tmp_path / "run"))
+  assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["lm_loss"]) for r in rows)
+  # The imported model starts near the uniform loss over its 320 tokens (random init, small weights).
+  assert abs(rows[0]["lm_loss"] - np.log(320)) < 1.0

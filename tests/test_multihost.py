@@ -147,7 +147,9 @@ def test_token_file_trains_per_process_and_resumes_in_two_and_in_one(tmp_path):
   ids = [e.ids for e in tokenizer.encode_batch(docs, add_special_tokens=False)]
   np.save(corpus / "corpus.npy", np.concatenate(ids).astype(np.uint16))
   np.save(corpus / "corpus.offsets.npy", np.cumsum([0] + [len(i) for i in ids]))
-  fields = _file_fields(tmp_path, dict(data=-1, context=2), source="tokens")  # 2 rows: each process both
+  # The sequence spans the processes (context 8): each process reads both rows, half of each used.
+  fields = _file_fields(tmp_path, dict(context=-1), source="tokens")
+  fields["data"]["seq_len"] = 64
   run = tmp_path / "straight"
   codes, outs = _run(2, 4, _args(fields, run) + ["--verbosity=0"])
   assert codes == [0, 0], outs
