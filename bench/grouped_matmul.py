@@ -13,8 +13,9 @@ Shapes (bf16, the `full` configs; M = tokens x top-k routed rows, G = experts):
 
 Passes, one row each per backend: `forward` x[M, D] @ W[E, D, F] (the gate/up projection),
 `dx` dout[M, F] @ W^T (`transpose_rhs`, the same W) and `dw` x_g^T @ dout_g -> [E, D, F]
-(the transposed kernel). FLOPs are 2 M D F for each. Backends: `pallas` (this repo's op: JAX's
-Hopper Mosaic GPU kernels, autotuned), `ragged_dot` (`lax.ragged_dot`, and for dW
+(the transposed kernel). FLOPs are 2 M D F for each. Backends: `pallas` (this repo's op: its own
+Mosaic GPU kernels, pallas_kernels/grouped_matmul/tiled.py), `jax_mgpu` (JAX's shipped
+`ragged_dot_mgpu` and `transposed_ragged_dot_mgpu`, what `pallas` ran before), `ragged_dot` (`lax.ragged_dot`, and for dW
 `lax.ragged_dot_general` with the rows contracted, as JAX differentiates ragged_dot), and
 `torch_grouped_mm` (`torch._grouped_mm` in a subprocess, so the two allocators do not fight; only
 when torch imports). Each row: median ms after a warm-up, TFLOP/s, and `vs_ragged_dot` (ragged_dot's
@@ -90,8 +91,31 @@ def make_inputs(tokens, d, f, e, k, load, dtype):
   return x, w, dout, group_sizes(m, e, load)
 
 
+def jax_kernel(lhs, rhs, sizes, transpose_rhs=False):
+  """JAX's shipped Hopper `ragged_dot_mgpu` at 128 x 128 x 64 tiles, 4 stages, snake band 4 (what the
+  `pallas` backend ran before its own kernel): the forward/dx baseline our kernel must beat."""
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: PLC0415
+
+  return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, block_m=128, block_n=128, block_k=64,
+                                    max_concurrent_steps=4, grid_block_n=4, transpose_rhs=transpose_rhs)
+
+
+def jax_transposed_kernel(a, b, sizes):
+  """JAX's shipped Hopper `transposed_ragged_dot_mgpu` (dW) at 128 x 128 x 64 tiles, 4 stages, band 4."""
+  from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu  # noqa: PLC0415
+
+  return transposed_ragged_dot_mgpu.transposed_ragged_dot(a, b, group_sizes=sizes, block_m=128, block_n=128,
+                                                          block_k=64, max_concurrent_steps=4, grid_block_n=4)
+
+
 def pass_fns(backend: str):
-  """pass -> jitted (x, w, dout, sizes) -> output, for the op's `backend` or for "ragged_dot"."""
+  """pass -> jitted (x, w, dout, sizes) -> output, for the op's `backend`, "ragged_dot" or "jax_mgpu"."""
+  if backend == "jax_mgpu":
+    return {
+        "forward": lambda x, w, dout, s: jax_kernel(x, w, s),
+        "dx": lambda x, w, dout, s: jax_kernel(dout, w, s, transpose_rhs=True),
+        "dw": lambda x, w, dout, s: jax_transposed_kernel(x, dout, s),
+    }
   if backend == "ragged_dot":  # the raw lax calls, as JAX differentiates ragged_dot (no custom_vjp)
     return {
         "forward": lambda x, w, dout, s: grouped_matmul_reference(x, w, s),
@@ -276,8 +300,8 @@ def main():
   parser.add_argument("--no-tune", action="store_true", help="use the heuristic/cached configs only")
   parser.add_argument("--baseline-max-rows", type=int, default=0,
                       help="skip ragged_dot above this many routed rows (0: always try; it fails slowly at scale)")
-  parser.add_argument("--backends", nargs="+", default=["pallas", "ragged_dot", "torch"],
-                      choices=["pallas", "ragged_dot", "torch"], help="which rows to run (with --append, in parts)")
+  parser.add_argument("--backends", nargs="+", default=["pallas", "jax_mgpu", "ragged_dot", "torch"],
+                      choices=["pallas", "jax_mgpu", "ragged_dot", "torch"], help="which rows to run (with --append, in parts)")
   parser.add_argument("--baseline-timeout", type=int, default=90, help="seconds for each ragged_dot row's process")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, reference backend only")
   args = parser.parse_args()
@@ -289,7 +313,7 @@ def main():
     from pallas_kernels.grouped_matmul import set_autotune  # noqa: PLC0415
     set_autotune(not args.no_tune)
     shapes = {name: SHAPES[name] for name in args.shapes}
-    backends, dtype, tolerance = tuple(b for b in ("pallas", "ragged_dot") if b in args.backends), jnp.bfloat16, 2e-2
+    backends, dtype, tolerance = tuple(b for b in ("pallas", "jax_mgpu", "ragged_dot") if b in args.backends), jnp.bfloat16, 2e-2
   # torch first, before JAX claims 95% of the GPU (its pool is only freed at exit).
   loads = {name: group_sizes(shape[0] * shape[4], shape[3], shape[5]) for name, shape in shapes.items()}
   anchors = [] if args.smoke or "torch" not in args.backends else torch_rows([(n, shapes[n], loads[n]) for n in shapes], args.reps)
@@ -300,6 +324,8 @@ def main():
     inputs = make_inputs(*shape, dtype)
     for pass_name in PASSES:
       for backend in ours:
+        if pass_name not in pass_fns(backend):
+          continue
         row = run_one(name, shape, pass_name, backend, inputs, args.reps, tolerance)
         print(json.dumps(row), flush=True)
         results.add(row)

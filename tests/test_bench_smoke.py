@@ -33,8 +33,10 @@ _SCRIPTS = {
                          lambda data: len(data["rows"]) == 3 and all(_positive(r["ms"]) for r in data["rows"])
                          and all(r["max_out_diff"] < 1e-4 for r in data["rows"][1:])),
     "gated_delta_rule": (["bench/gated_delta_rule.py", "--smoke"],
-                         lambda data: len(data["rows"]) == 2 and all(_positive(r["ms"]) for r in data["rows"])
-                         and data["rows"][1]["max_out_diff"] < 1e-4 and data["rows"][1]["max_dq_diff"] < 1e-4),
+                         lambda data: [(r["backend"], r["pass"]) for r in data["rows"]] == [
+                             ("reference", "fwd"), ("reference", "fwd+bwd"), ("pallas", "fwd"), ("pallas", "fwd+bwd")]
+                         and all(_positive(r["ms"]) for r in data["rows"])
+                         and data["rows"][3]["max_out_diff"] < 1e-4 and data["rows"][3]["max_dq_diff"] < 1e-4),
     "model_step": (["bench/model_step.py", "--smoke", "--modes", "hyscale"],
                    lambda data: all(_positive(r.get("steps_per_s", -1.0)) for r in data["rows"])),
     "grouped_matmul": (["bench/grouped_matmul.py", "--smoke"],

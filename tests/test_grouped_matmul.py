@@ -141,9 +141,13 @@ def test_config_validation_heuristics_and_search_space():
   for kind in autotune.KINDS:
     space = autotune.Config.search_space(kind, 131072, 6144, 2048, 256)
     assert 4 <= len(space) <= 6 and len(set(space)) == len(space)
-    assert all(2048 % c.block_n == 0 for c in space)  # no padded (copied) weights
+    assert all(2048 % c.columns == 0 for c in space)  # no padded (copied) weights
     assert space[0] == autotune.Config.heuristics(kind, 131072, 6144, 2048, 256)
-    assert all(c.smem_bytes(2) + c.block_m * c.block_n * 2 <= 227 * 1024 for c in space)
+    assert all(c.smem_bytes(2) <= 227 * 1024 for c in space)
+  # A CTA spans two warpgroups' columns: 208 KiB at 128 x 256 with 3 stages.
+  assert autotune.Config(max_concurrent_steps=3).smem_bytes(2) == (3 * (128 + 256) * 64 + 128 * 256) * 2
+  narrow = autotune.Config.heuristics("forward", 163840, 2560, 640, 512)  # Qwen's F 640: 128-column CTAs
+  assert narrow.columns == 128 and 640 % narrow.columns == 0
   # dW tiles must divide its [K, N] output: K = 192 allows only 64-row tiles.
   assert all(192 % c.block_m == 0 for c in autotune.Config.search_space("transposed", 4096, 192, 2048, 8))
 
@@ -155,9 +159,9 @@ def test_autotune_cache_measures_once_and_persists(tmp_path, monkeypatch):
 
   def measure(config):
     calls.append(config)
-    if config.block_n == 256:
+    if config.block_m == 64:
       raise ValueError("Mosaic GPU kernel exceeds available shared memory")  # skipped, recorded
-    return 1.0 / (config.block_m * config.block_n * config.max_concurrent_steps)  # fastest: 128 x 128 x 6
+    return 1.0 / (config.block_m * config.block_n * config.grid_block_n)  # fastest: 128 x 128, band 16
 
   args = ("NVIDIA H200", "forward", 4096, 512, 256, 8, jnp.bfloat16)
   autotune.set_autotune(False)
@@ -166,8 +170,8 @@ def test_autotune_cache_measures_once_and_persists(tmp_path, monkeypatch):
     assert not calls and not autotune.cache_path("NVIDIA H200").exists()  # tuning off: heuristics, no file
     autotune.set_autotune(True)
     best = autotune.choose(*args, measure)
-    ran = [c for c in autotune.Config.search_space("forward", 4096, 512, 256, 8) if c.block_n != 256]
-    assert best == min(ran, key=measure) and best.max_concurrent_steps == 6 and best.block_m == 128
+    ran = [c for c in autotune.Config.search_space("forward", 4096, 512, 256, 8) if c.block_m != 64]
+    assert best == min(ran, key=measure) and best.grid_block_n == 16 and best.block_m == 128
     n_calls = len(calls)
     assert autotune.choose(*args, measure) == best and len(calls) == n_calls  # cached in memory
   finally:
@@ -212,6 +216,31 @@ def test_autotune_env_var_and_keys(monkeypatch):
   assert not autotune.autotune_enabled()
   keys = {autotune.cache_key(k, 64, 32, 16, 4, d) for k in autotune.KINDS for d in (jnp.bfloat16, jnp.float16)}
   assert len(keys) == 6 and "forward:M=64:K=32:N=16:G=4:bfloat16" in keys
+
+
+# ---- the own kernel's tile table (plain jnp) ----
+
+@pytest.mark.parametrize("sizes, m", [([0, 5, 130, 0, 256, 1, 0, 3], 420), ([1000], 1000), ([0, 0, 0], 16),
+                                      ([7] * 40, 300), ("random", 5000)])
+def test_tile_table_covers_every_row_of_every_group_once(sizes, m):
+  """Each group's rows (and the rows past them, as group G, which the kernel zeroes) are stored by
+  exactly one tile; tiles start on 8-row boundaries."""
+  from pallas_kernels.grouped_matmul import tiled  # noqa: PLC0415 - Mosaic GPU imports on CPU too
+
+  if sizes == "random":
+    sizes = list(np.random.default_rng(0).multinomial(m - 37, np.ones(64) / 64))  # sum below M
+  tile_m = 64
+  num_tiles = tiled.max_tiles(m, len(sizes), tile_m)
+  group, first, lo, hi = np.asarray(tiled.tile_table(jnp.asarray(sizes, jnp.int32), tile_m, num_tiles, m))
+  owner = np.full(m, -1)
+  for t in np.flatnonzero(hi > lo):
+    assert first[t] % 8 == 0 and 0 <= lo[t] < hi[t] <= tile_m
+    rows = np.arange(first[t] + lo[t], first[t] + hi[t])
+    assert (owner[rows] == -1).all()
+    owner[rows] = group[t]
+  want = np.concatenate([np.full(s, g) for g, s in enumerate(sizes)] + [np.full(m - sum(sizes), len(sizes))])
+  np.testing.assert_array_equal(owner, want)
+  assert (hi[hi <= lo] == 0).all() and (np.cumsum(hi > lo) == np.arange(1, num_tiles + 1))[: (hi > lo).sum()].all()
 
 
 # ---- the Pallas backend lowered for CUDA on CPU (shapes, padding, the custom_vjp wiring) ----
@@ -305,3 +334,25 @@ def test_pallas_forward_kernel_with_many_groups(aligned):
         lhs, rhs, gs)
     want = grouped_matmul_oracle(lhs, rhs, sizes, transpose_rhs=transpose_rhs)
     np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=0.35, rtol=2e-2)
+
+
+@pytest.mark.gpu_only
+@_ON_GPU
+@pytest.mark.parametrize("sizes", ["small", "skewed"])
+def test_pallas_dw_kernel_with_many_groups(sizes):
+  """dW over 64 groups: groups of 1-40 rows (fewer K steps than pipeline stages), empty ones, group
+  starts off the 8-row grid, rows past the sum poisoned; against the float64 oracle."""
+  from pallas_kernels.grouped_matmul import transposed_grouped_matmul_pallas  # noqa: PLC0415
+
+  rng = np.random.default_rng(4)
+  group_rows = (list(rng.integers(0, 41, 64)) if sizes == "small"
+                else list(rng.multinomial(64 * 96, 1.0 / np.arange(1, 65) ** 1.2 / np.sum(1.0 / np.arange(1, 65) ** 1.2))))
+  group_rows[7] = 0
+  m = int(sum(group_rows)) + 29
+  a, _, gs, b = _inputs(m, group_rows, k=256, n=320, dtype=jnp.bfloat16)
+  a, b = a.at[m - 29:].set(jnp.nan), b.at[m - 29:].set(jnp.inf)
+  out = jax.jit(transposed_grouped_matmul_pallas)(a, b, gs)
+  _, _, want = grouped_matmul_oracle(a[: m - 29], np.zeros((64, 256, 320)), group_rows,
+                                     np.asarray(b[: m - 29], np.float64))
+  np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=0.35, rtol=2e-2)
+  assert not np.asarray(out[7]).any()

@@ -33,11 +33,13 @@ _MEMORY: dict[str, dict] = {}  # cache file path -> its entries, read once per p
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Tiling of JAX's Hopper ragged-dot kernels.
+  """Tiling of the grouped-matmul kernels (`tiled.py`).
 
-  block_m x block_n is one warpgroup's f32 accumulator tile; block_k the K step of the TMA pipeline,
-  `max_concurrent_steps` pipeline stages in shared memory; `grid_block_n` the width (in N tiles) of
-  the snake order in which the persistent grid walks output tiles (L2 reuse of the weights).
+  A CTA computes block_m rows x 2 * block_n columns of the output, each of its two consumer
+  warpgroups a block_m x block_n f32 accumulator; block_k is the K step of the TMA pipeline,
+  `max_concurrent_steps` its stages in shared memory, `grid_block_n` the width (in N blocks) of the
+  snake order in which the persistent grid walks output tiles (L2 reuse of the weights and rows).
+  For dW (`transposed`) the output is [G, P, Q]: block_m tiles P, the columns Q, block_k the rows.
   """
 
   block_m: int = 128
@@ -56,41 +58,47 @@ class Config:
     if self.grid_block_n < 1 or self.grid_block_n & (self.grid_block_n - 1):
       raise ValueError(f"Config.grid_block_n={self.grid_block_n!r} must be a power of two.")
 
+  @property
+  def columns(self) -> int:
+    """Output columns per CTA: two warpgroups' worth."""
+    return 2 * self.block_n
+
   def smem_bytes(self, itemsize: int) -> int:
-    """Shared memory of the input pipeline (the output tile reuses it after the K loop)."""
-    return self.max_concurrent_steps * (self.block_m + self.block_n) * self.block_k * itemsize
+    """Shared memory of the input pipeline plus the output tile (the same for every kind)."""
+    return (self.max_concurrent_steps * (self.block_m + self.columns) * self.block_k
+            + self.block_m * self.columns) * itemsize
 
   @classmethod
   def heuristics(cls, kind: str, m: int, k: int, n: int, g: int) -> "Config":
-    """The default when nothing is cached: 128 x 128 tiles, 4 stages (128 KiB of bf16 pipeline).
-
-    Tiles divide N (and, for the dW kernel, whose output is [K, N], also K) where 128 or 64 can,
-    so the wrappers need not pad (a padded weight is a copy). `grid_block_n` 4 walks 4 N-tiles per
-    snake band when there are that many.
+    """The default when nothing is cached: 128 x 256 CTA tiles, 3 stages (208 KiB of bf16), snake
+    bands of 8 N blocks for forward and dx, 4 for dW (the best of the configs swept at the five bench
+    shapes on the H200, bench/NOTES.md 2026-12-04); 128 x 128 with 4 stages when N is not a multiple of 256 (narrow
+    experts: less padding). dW's block_m also tiles its output's K (= P) axis: 64 when 128 does not
+    divide it, so the wrapper need not pad (a padded operand is a copy).
     """
     _check_kind(kind)
     del m, g
     block_m = 128 if kind != "transposed" or k % 128 == 0 else 64
-    block_n = 128 if n % 128 == 0 else 64
-    return cls(block_m=block_m, block_n=block_n, grid_block_n=4 if n // block_n >= 8 else 1)
+    block_n = 128 if n % 256 == 0 else 64
+    blocks = -(-n // (2 * block_n))
+    # Bands of 8 where they tile the N blocks exactly (a remainder band cost Qwen's dx 30%), else 4.
+    band = 8 if kind != "transposed" and blocks % 8 == 0 else 4 if blocks >= 4 else 1
+    return cls(block_m=block_m, block_n=block_n, max_concurrent_steps=3 if block_n == 128 else 4, grid_block_n=band)
 
   @classmethod
   def search_space(cls, kind: str, m: int, k: int, n: int, g: int, itemsize: int = 2) -> tuple["Config", ...]:
-    """At most 6 configs: the heuristic and tiles of 64-128 rows x 64-256 columns, 4-6 stages, snake
-    bands of 1-16 N tiles (how long a row block's lhs tile stays hot in L2 for wide outputs like dx).
-
-    Kept only if the tiles divide N (and K for dW, see `heuristics`) and the pipeline plus the
-    output tile fit the H100/H200's 227 KiB of shared memory. One warpgroup holds the f32
-    accumulator, so block_m x block_n stays <= 128 x 192 (192 registers a thread).
+    """At most 6 configs, the heuristic first: snake bands of 2-16 N blocks (how long a row tile stays
+    hot in L2) and tiles of 64 or 128 rows x 128 or 256 columns. Kept only if the CTA's columns
+    divide N (and, for dW, block_m its K) and the kernel fits the H100/H200's 227 KiB of shared memory.
     """
     _check_kind(kind)
     found = [cls.heuristics(kind, m, k, n, g)]
     for block_m, block_n, steps, grid_block_n in (
-        (128, 192, 4, 4), (64, 256, 4, 4), (128, 128, 6, 8), (128, 128, 4, 16), (64, 128, 6, 1), (128, 64, 6, 4)):
-      if n % block_n or (kind == "transposed" and k % block_m):
-        continue
+        (128, 128, 3, 4), (128, 128, 3, 16), (128, 128, 3, 2), (64, 128, 4, 8), (128, 64, 4, 8), (128, 64, 4, 4)):
       config = cls(block_m=block_m, block_n=block_n, max_concurrent_steps=steps, grid_block_n=grid_block_n)
-      if config not in found and config.smem_bytes(itemsize) + block_m * block_n * itemsize <= 227 * 1024:
+      if n % config.columns or (kind == "transposed" and k % block_m):
+        continue
+      if config not in found and config.smem_bytes(itemsize) <= 227 * 1024:
         found.append(config)
     return tuple(found[:6])
 

@@ -1,18 +1,20 @@
-"""The `"pallas"` backend of `grouped_matmul`: JAX's Hopper Mosaic GPU ragged-dot kernels, padded and tuned.
+"""The `"pallas"` backend of `grouped_matmul`: Hopper Mosaic GPU kernels, padded and tuned.
 
-- `grouped_matmul_pallas`: `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot`, a persistent
-  warpgroup-MMA kernel over (row block, N tile) pairs; `transpose_rhs` reads rhs as [G, N, K] (dx).
-- `transposed_grouped_matmul_pallas`: `transposed_ragged_dot_mgpu.transposed_ragged_dot`, per group
-  `a_g^T @ b_g` into [G, P, Q] (dW), walking only each group's own rows.
+- `grouped_matmul_pallas`: the own tile-table kernel (`tiled.py`): persistent, warp-specialized (a
+  TMA producer and two warpgroup-MMA consumers) over (row tile, N block) pairs; `transpose_rhs` reads
+  rhs as [G, N, K] (dx). 1.4-2.5x JAX's shipped `ragged_dot_mgpu` on the H200 (bench/NOTES.md).
+- `transposed_grouped_matmul_pallas`: the own dW kernel (`tiled.py`), per group `a_g^T @ b_g` into
+  [G, P, Q], walking only each group's own rows, with the same producer / two-consumer split.
 
 What the wrappers add: K (and N, P, Q) zero-padded to the chosen tiles (exact: padded columns
-contribute 0 and are sliced off), the forward's rows past `sum(group_sizes)` set to 0 (the kernel
-never writes them; XLA fuses that select into an elementwise consumer), the dW inputs' rows just past
-the sum set to 0 (the kernel multiplies its partial last block by a 0/1 mask, which would keep a
-NaN), rows padded to TMA's 8-row tiling, and the block config from `autotune.choose`. Both kernels
-use wgmma (sm_90a) and bf16/f16 only: anything else raises NotImplementedError so `"auto"` falls back
-to the reference. JAX's kernels take no `interpret` flag, so there is no interpret mode; CPU tests
-export them for a CUDA target instead (tests/test_grouped_matmul.py).
+contribute 0 and are sliced off; the forward kernel itself writes 0 to rows past `sum(group_sizes)`),
+the dW inputs' rows just past
+the sum set to 0 (the dW kernel reads up to block_k rows past a group's end and masks them by
+a select on one operand: a non-finite row in the other would still give NaN), the dW rows padded to TMA's 8-row tiling, and the block config from `autotune.choose`. Both
+kernels use wgmma (sm_90a) and bf16/f16 only: anything else raises NotImplementedError so `"auto"`
+falls back to the reference. Mosaic GPU has no interpret mode; CPU tests export the kernels for a
+CUDA target instead (tests/test_grouped_matmul.py), which runs Mosaic's lowering and its shared-memory
+check.
 """
 
 from __future__ import annotations
@@ -51,21 +53,19 @@ def _pad_axis(x, axis: int, multiple: int):
   return jnp.pad(x, widths)
 
 
-def _rows_in_groups(x, group_sizes):
-  """x with the rows past sum(group_sizes) set to 0."""
-  rows = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
-  return jnp.where(rows < jnp.sum(group_sizes), x, jnp.zeros((), x.dtype))
-
-
 def _zero_rows_read_past_groups(x, group_sizes, block_k: int):
   """x with rows [sum, sum + block_k) set to 0: the only rows past the groups the dW kernel reads.
 
-  Its last group's last K block ends at the next multiple of block_k, and it masks that block by
-  multiplying with 0/1, which would keep a NaN or inf. A dropped-out-of-range scatter of block_k
-  rows, not a pass over all of x.
+  Its last group's last K block ends before row sum + block_k; the kernel selects 0 for b's rows
+  outside the group, and a's meet those zeros (a NaN or inf there would survive 0 * x). A
+  dropped-out-of-range scatter of block_k rows, not a pass over all of x.
   """
-  rows = jnp.sum(group_sizes) + jnp.arange(block_k)
-  return x.at[rows].set(jnp.zeros((), x.dtype), mode="drop")
+  total = jnp.sum(group_sizes)
+  rows = total + jnp.arange(block_k)
+  # Under a cond: when the groups cover every row (the MoE's case) there is nothing to zero, and an
+  # unconditional scatter into a non-donated input copies all of it (1.3 ms at GLM-5.1 16K).
+  return jax.lax.cond(total < x.shape[0], lambda v: v.at[rows].set(jnp.zeros((), v.dtype), mode="drop"),
+                      lambda v: v, x)
 
 
 def _uniform_sizes(m: int, g: int) -> np.ndarray:
@@ -106,18 +106,16 @@ def _config(kind, m, k, n, g, dtype, run, shapes):
 
 def _forward(lhs, rhs, group_sizes, config, transpose_rhs):
   """The kernel call on padded operands; out [M, N] with rows past the groups left unwritten."""
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as kernel  # noqa: PLC0415 - imports Mosaic GPU
+  from pallas_kernels.grouped_matmul import tiled  # noqa: PLC0415 - imports Mosaic GPU
 
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  columns = config.columns
   # TMA wants the row count a multiple of its 8-row tiling; the padded rows are past every group.
   lhs = _pad_axis(_pad_axis(lhs, 1, config.block_k), 0, 8)
-  rhs = _pad_axis(_pad_axis(rhs, 2 if transpose_rhs else 1, config.block_k), 1 if transpose_rhs else 2,
-                  config.block_n)
-  out = kernel.ragged_dot(
-      lhs, rhs, group_sizes=group_sizes, block_m=config.block_m, block_n=config.block_n,
-      block_k=config.block_k, max_concurrent_steps=config.max_concurrent_steps,
-      grid_block_n=config.grid_block_n, transpose_rhs=transpose_rhs)
+  rhs = _pad_axis(_pad_axis(rhs, 2 if transpose_rhs else 1, config.block_k), 1 if transpose_rhs else 2, columns)
+  out = tiled.grouped_matmul_tiled(lhs, rhs, group_sizes, config=config, transpose_rhs=transpose_rhs,
+                                   num_sms=jax.devices()[0].core_count)
   return out[:m, :n]
 
 
@@ -134,19 +132,16 @@ def grouped_matmul_pallas(lhs, rhs, group_sizes, *, transpose_rhs=False, config=
     kind = "forward_transposed_rhs" if transpose_rhs else "forward"
     config = _config(kind, m, k, n, g, lhs.dtype,
                      lambda a, b, s, c: _forward(a, b, s, c, transpose_rhs), (lhs.shape, rhs.shape))
-  return _rows_in_groups(_forward(lhs, rhs, group_sizes, config, transpose_rhs), group_sizes)
+  return _forward(lhs, rhs, group_sizes, config, transpose_rhs)
 
 
 def _transposed(a, b, group_sizes, config):
-  from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu  # noqa: PLC0415
+  from pallas_kernels.grouped_matmul import tiled  # noqa: PLC0415
 
   p, q = a.shape[1], b.shape[1]
   a = _pad_axis(_pad_axis(_zero_rows_read_past_groups(a, group_sizes, config.block_k), 1, config.block_m), 0, 8)
-  b = _pad_axis(_pad_axis(_zero_rows_read_past_groups(b, group_sizes, config.block_k), 1, config.block_n), 0, 8)
-  out = transposed_ragged_dot_mgpu.transposed_ragged_dot(
-      a, b, group_sizes=group_sizes, block_m=config.block_m, block_n=config.block_n,
-      block_k=config.block_k, max_concurrent_steps=config.max_concurrent_steps,
-      grid_block_n=config.grid_block_n)
+  b = _pad_axis(_pad_axis(_zero_rows_read_past_groups(b, group_sizes, config.block_k), 1, config.columns), 0, 8)
+  out = tiled.transposed_grouped_matmul_tiled(a, b, group_sizes, config=config, num_sms=jax.devices()[0].core_count)
   return out[:, :p, :q]
 
 

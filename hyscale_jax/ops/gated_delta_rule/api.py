@@ -12,15 +12,21 @@ from jaxtyping import Array, Float, Int
 from hyscale_jax.ops import _checks, _context
 from hyscale_jax.ops._registry import Backend, BackendRegistry
 from hyscale_jax.ops.gated_delta_rule.reference import gated_delta_rule_reference, gated_delta_rule_xla_baseline
+from hyscale_jax.ops.gated_delta_rule.scan_vjp import gated_delta_rule_with_scan_kernels
 from hyscale_jax.sharding import CONTEXT_AXIS
 
 REGISTRY = BackendRegistry(
     "gated_delta_rule",
     {"reference": gated_delta_rule_reference, "xla_baseline": gated_delta_rule_xla_baseline},
-    auto_order={"gpu": ("pallas", "reference"), "default": ("reference",)},
+    # "pallas" is chosen by name only until bench/gated_delta_rule.py shows it faster on the H200;
+    # then the GPU order becomes ("pallas", "reference").
+    auto_order={"gpu": ("reference",), "default": ("reference",)},
 )
-# A GPU kernel registers here with the reference's signature when `pallas_kernels.gated_delta_rule` exists.
-REGISTRY.register_optional("pallas", "pallas_kernels.gated_delta_rule", "gated_delta_rule_pallas")
+# The reference's chunk terms with the pass over the chunks in Triton kernels (forward and backward).
+REGISTRY.register_optional(
+    "pallas", "pallas_kernels.gated_delta_rule",
+    ("gated_delta_rule_scan_fwd", "gated_delta_rule_scan_bwd", "check_applies"),
+    wrap=lambda fwd, bwd, check: functools.partial(gated_delta_rule_with_scan_kernels, fwd, bwd, check))
 
 
 def gated_delta_rule(
@@ -69,8 +75,9 @@ def gated_delta_rule(
     scale: query scale (static float); None means Dk ** -0.5.
     chunk: tokens per chunk of the reference (static positive int); T need not be a multiple.
     return_final_state: also return the state after the last token.
-    backend: "auto" (on GPU "pallas" when installed, then "reference"), "pallas", "reference" or
-      "xla_baseline".
+    backend: "auto" ("reference" on every platform for now), "pallas" (Triton kernels for the pass
+      over the chunks; interpret mode off a GPU; chunk, Dk and Dv powers of two >= 16), "reference"
+      or "xla_baseline".
 
   Returns:
     out [B, T, Hv, Dv] in q.dtype, or (out, final state f32[B, Hv, Dk, Dv]) with `return_final_state`.

@@ -63,6 +63,26 @@ def _chunk_terms(xs, *, scale):
   return solved[..., Dv:], solved[..., :Dv], qs[:, :, None] * reach[..., None], scores, reach[..., -1], k_last
 
 
+def chunk_terms(q, k, v, g, beta, segment_ids, *, scale: float, chunk: int, chunk_axis: int = 0):
+  """`_chunk_terms` of every chunk of `chunk` tokens (T padded with tokens that leave the state
+  unchanged: beta = 0, g = 0), computed for all chunks at once.
+
+  Arguments as `gated_delta_rule_reference`'s. Returns (w, u0, q_reach, scores, reach_last, k_last),
+  f32, each with the chunk axis n at `chunk_axis` of [B, Hk, R, ...]: 0 gives the scan's
+  [n, B, Hk, R, C, ...], 3 the head-major [B, Hk, R, n, C, ...] (reach_last [B, Hk, R, n]).
+  """
+  B, T = q.shape[:2]
+  C = chunk
+  resets = _resets(segment_ids, B, T)
+  qf, kf, vf, gf, bf = _grouped(q, k, v, g, beta)
+  # [n, B, Hk, (R,) C, ...]: the chunk axis leads for the vmap, heads before the chunk's tokens.
+  blocks = lambda x: jnp.moveaxis(st.to_blocks(x, 1, C), 2, -1)  # [n, B, Hk, R, C]
+  q_heads = lambda x: jnp.swapaxes(st.to_blocks(x, 1, C), 2, 3)  # [n, B, Hk, C, Dk]
+  v_heads = lambda x: jnp.moveaxis(st.to_blocks(x, 1, C), 2, 4)  # [n, B, Hk, R, C, Dv]
+  xs = (q_heads(qf), q_heads(kf), v_heads(vf), blocks(gf), blocks(bf), st.to_blocks(resets, 1, C))
+  return jax.vmap(lambda x: _chunk_terms(x, scale=scale), out_axes=chunk_axis)(xs)
+
+
 def _chunk_step(state, terms):
   """(state after the chunk, out f32[B, Hk, R, C, Dv]) from the state before it [B, Hk, R, Dk, Dv]."""
   w, u0, q_reach, scores, reach_last, k_last = terms
@@ -94,21 +114,13 @@ def gated_delta_rule_reference(
   """
   B, T, Hk, Dk = q.shape
   Hv, Dv = v.shape[2:]
-  C = min(chunk, T)
-  resets = _resets(segment_ids, B, T)
-  qf, kf, vf, gf, bf = _grouped(q, k, v, g, beta)
-  # [n, B, Hk, (R,) C, ...]: the chunk axis leads for the scan, heads before the chunk's tokens.
-  blocks = lambda x: jnp.moveaxis(st.to_blocks(x, 1, C), 2, -1)  # [n, B, Hk, R, C]
-  q_heads = lambda x: jnp.swapaxes(st.to_blocks(x, 1, C), 2, 3)  # [n, B, Hk, C, Dk]
-  v_heads = lambda x: jnp.moveaxis(st.to_blocks(x, 1, C), 2, 4)  # [n, B, Hk, R, C, Dv]
-  xs = (q_heads(qf), q_heads(kf), v_heads(vf), blocks(gf), blocks(bf), st.to_blocks(resets, 1, C))
   if initial_state is None:
     state = jnp.zeros((B, Hk, Hv // Hk, Dk, Dv), jnp.float32)
   else:
     state = initial_state.astype(jnp.float32).reshape(B, Hk, Hv // Hk, Dk, Dv)
   # Everything that does not read the state, for all chunks at once (batched solves and matmuls);
   # the scan then carries the state through three matmuls per chunk.
-  terms = jax.vmap(lambda x: _chunk_terms(x, scale=scale))(xs)
+  terms = chunk_terms(q, k, v, g, beta, segment_ids, scale=scale, chunk=min(chunk, T))
   state, out = jax.lax.scan(_chunk_step, state, terms)  # out [n, B, Hk, R, C, Dv]
   out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(B, -1, Hv, Dv)[:, :T]
   return out.astype(q.dtype), state.reshape(B, Hv, Dk, Dv)

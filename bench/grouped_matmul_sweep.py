@@ -1,0 +1,121 @@
+"""Tile sweep of the own tile-table grouped-matmul kernel against JAX's shipped one (issue 19; one device call).
+
+    python bench/grouped_matmul_sweep.py --out bench/results/grouped_matmul_sweep.json
+
+For each shape of bench/grouped_matmul.py and the forward / dx passes: JAX's shipped `ragged_dot_mgpu`
+at 128 x 128 x 64 / 4 stages / band 4 (the baseline, same process), then `pallas_kernels.grouped_matmul.tiled` at
+each config of `--configs` (tile_m x tile_n x tile_k / stages / n_band). Each output is poisoned and
+checked on sampled groups against f32 products before it is timed; a config that fails to compile
+or run is a row with its error. Prints one JSON row per run.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, ".")
+sys.path.insert(0, "bench")
+import grouped_matmul as bench  # noqa: E402
+from layer_step import Results, poison  # noqa: E402
+from timing import timed  # noqa: E402
+
+from pallas_kernels.grouped_matmul import tiled  # noqa: E402
+from pallas_kernels.grouped_matmul.autotune import Config  # noqa: E402
+
+DEFAULT_CONFIGS = ("128x128x64/3/4", "128x128x64/3/8", "128x128x64/3/16", "128x128x64/3/2")
+
+
+def parse(spec: str) -> Config:
+  """"block_m x block_n x block_k / stages / snake band" (block_n per warpgroup: the CTA has 2x)."""
+  tiles, stages, band = spec.split("/")
+  block_m, block_n, block_k = (int(v) for v in tiles.split("x"))
+  return Config(block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=int(stages),
+                grid_block_n=int(band))
+
+
+def run(fn, label, pass_name, inputs, reps):
+  x, w, dout, sizes_np = inputs
+  sizes = jnp.asarray(sizes_np)
+  row = dict(label=label, **{"pass": pass_name})
+  try:
+    compiled = jax.jit(fn).lower(x, w, dout, sizes).compile()
+    poison(jax.eval_shape(fn, x, w, dout, sizes))
+    out = compiled(x, w, dout, sizes)
+    row["rel_err"] = bench.check(pass_name, out, x, w, dout, sizes_np)
+    del out
+    row["ms"] = timed(compiled, x, w, dout, sizes, reps=reps) * 1e3
+  except Exception as err:  # noqa: BLE001 - a config that does not compile is a row
+    row["ms"] = f"error: {type(err).__name__}: {str(err)[:300]}"
+  return row
+
+
+def run_dw(name, inputs, m, d, f, e, load, args, results):
+  """dW rows: JAX's transposed kernel (the baseline) and the own one at each config."""
+  variants = [("jax_transposed_ragged_dot_mgpu", lambda x, w, dout, s: bench.jax_transposed_kernel(x, dout, s))]
+  for spec in args.configs:
+    config = parse(spec)
+    if f % config.columns or d % config.block_m:
+      continue
+    variants.append((f"tiled {spec}", lambda x, w, dout, s, c=config: tiled.transposed_grouped_matmul_tiled(
+        x, dout, s, config=c)))
+  base_ms = None
+  for label, fn in variants:
+    row = run(fn, label, "dw", inputs, args.reps)
+    row.update(shape=name, M=m, K=m, P=d, Q=f, E=e, load=load)
+    if isinstance(row["ms"], float):
+      row["tflops"] = 2.0 * m * d * f / row["ms"] / 1e9
+      base_ms = base_ms or row["ms"]
+      row["vs_jax_kernel"] = base_ms / row["ms"]
+    print(json.dumps(row), flush=True)
+    results.add(row)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="bench/results/grouped_matmul_sweep.json")
+  parser.add_argument("--shapes", nargs="+", default=list(bench.SHAPES), choices=list(bench.SHAPES))
+  parser.add_argument("--passes", nargs="+", default=["forward", "dx", "dw"], choices=["forward", "dx", "dw"])
+  parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
+  parser.add_argument("--reps", type=int, default=10)
+  args = parser.parse_args()
+  results = Results(args.out, False)
+  print(f"device {jax.devices()[0].device_kind}", flush=True)
+  for name in args.shapes:
+    tokens, d, f, e, k, load = shape = bench.SHAPES[name]
+    inputs = bench.make_inputs(*shape, jnp.bfloat16)
+    m = tokens * k
+    for pass_name in args.passes:
+      if pass_name == "dw":
+        run_dw(name, inputs, m, d, f, e, load, args, results)
+        continue
+      transpose = pass_name == "dx"
+      kk, n = (f, d) if transpose else (d, f)
+      lhs_of = (lambda x, dout: dout) if transpose else (lambda x, dout: x)
+      variants = [("jax_ragged_dot_mgpu", lambda x, w, dout, s: bench.jax_kernel(lhs_of(x, dout), w, s, transpose))]
+      for spec in args.configs:
+        config = parse(spec)
+        if n % config.columns or kk % config.block_k:
+          continue
+        variants.append((f"tiled {spec}", lambda x, w, dout, s, c=config: tiled.grouped_matmul_tiled(
+            lhs_of(x, dout), w, s, config=c, transpose_rhs=transpose)))
+      base_ms = None
+      for label, fn in variants:
+        row = run(fn, label, pass_name, inputs, args.reps)
+        row.update(shape=name, M=m, K=kk, N=n, E=e, load=load)
+        if isinstance(row["ms"], float):
+          row["tflops"] = 2.0 * m * d * f / row["ms"] / 1e9
+          base_ms = base_ms or row["ms"]
+          row["vs_jax_kernel"] = base_ms / row["ms"]
+        print(json.dumps(row), flush=True)
+        results.add(row)
+    del inputs
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,349 @@
+"""A grouped-matmul forward kernel for Hopper that walks a tile table: `out[r] = lhs[r] @ rhs[group(r)]`.
+
+Why not JAX's shipped `ragged_dot_mgpu`: it finds each row block's group inside the kernel with a
+loop unrolled over all G groups (256 scalar compares per tile for GLM-5.1's experts), with one
+warpgroup that both issues the loads and runs the MMAs. Here XLA lays out the work once per call:
+
+- `tile_table(group_sizes, tile_m)` lists, for every row tile of every non-empty group, its group,
+  its first row and how many of its `tile_m` rows are the group's. Tiles start at their group's first
+  row (not at a multiple of `tile_m`), so only a group's last tile is partial, and a tile never
+  straddles two groups: its rows past the group are computed and not stored.
+- The kernel is persistent (one CTA per SM) over (tile, N block) work items. A producer warpgroup
+  streams the lhs rows and the group's weight block through a TMA pipeline; two consumer warpgroups
+  each own half of the N block's columns (warpgroup MMA, f32 accumulators), and store their tile.
+- A partial tile stores its first `rows` rows as a sum of power-of-two TMA copies (TMA boxes are
+  static), which the tile table makes the rare case.
+
+`transpose_rhs` reads rhs as [G, N, K] (the dx of a forward) and hands the MMA its transpose.
+Nothing here runs on CPU: it needs sm_90a (wgmma, TMA). CPU tests lower it for a CUDA target.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.grouped_matmul.autotune import Config
+
+
+def max_tiles(m: int, g: int, tile_m: int) -> int:
+  """An upper bound of the tile table's length for g groups and the rows past them, m rows in all.
+
+  A run of s rows takes ceil((s + 7) / tile_m) tiles at most (its first tile starts up to 7 rows
+  early), so the g + 1 runs take fewer than (m + (g + 1) * (tile_m + 6)) / tile_m + 1.
+  """
+  return pl.cdiv(m + (g + 1) * (tile_m + 6), tile_m)
+
+
+def tile_table(group_sizes: jax.Array, tile_m: int, num_tiles: int, m: int | None = None) -> jax.Array:
+  """int32[4, num_tiles]: per row tile (group, first row, first stored row, end row); unused tiles store none.
+
+  Mosaic GPU's TMA into swizzled shared memory wants the first row a multiple of 8, so group g's
+  tiles start at `floor8(start_g) + j * tile_m`: its first tile skips up to 7 rows of the group
+  before, and its last stops at the group's end. Rows [first stored, end) of a tile, counted from the
+  tile's first row, are the group's. Empty groups get no tile. With `m`, the rows [sum, m) past the
+  groups get tiles too, as group G: the kernel stores zeros there.
+  """
+  sizes = group_sizes.astype(jnp.int32)
+  if m is not None:
+    sizes = jnp.concatenate([sizes, (m - jnp.sum(sizes))[None]])
+  ends = jnp.cumsum(sizes)
+  starts = ends - sizes
+  bases = starts // 8 * 8
+  tiles_per_group = jnp.where(sizes > 0, (ends - bases + tile_m - 1) // tile_m, 0)
+  tile_ends = jnp.cumsum(tiles_per_group)
+  tile_starts = tile_ends - tiles_per_group
+  t = jnp.arange(num_tiles, dtype=jnp.int32)
+  group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), sizes.shape[0] - 1).astype(jnp.int32)
+  first_row = bases[group] + (t - tile_starts[group]) * tile_m
+  used = t < tile_ends[-1]
+  lo = jnp.where(used, jnp.maximum(starts[group] - first_row, 0), 0)
+  hi = jnp.where(used, jnp.minimum(ends[group] - first_row, tile_m), 0)
+  return jnp.stack([group, jnp.where(used, first_row, 0), lo, hi]).astype(jnp.int32)
+
+
+def _input_transforms(minor: int, dtype) -> tuple:
+  """Shared-memory tiling and swizzle of a block whose minor axis holds `minor` elements."""
+  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, tile_m: int, tile_n: int):
+  """Copies rows [lo, hi) of the tile at out_smem[smem_row:] to out_gmem[first_row + lo:first_row + hi, col:].
+
+  A whole tile is one TMA copy; otherwise `hi - lo` rows go as power-of-two runs (a TMA box is
+  static). One dynamic row offset into the (2 * tile_m, tile_n) buffer, not a warpgroup index and
+  then a row offset: Mosaic GPU slices shared memory with one dynamic index per axis.
+  """
+  whole = (lo == 0) & (hi == tile_m)
+
+  @pl.when(whole)
+  def _():
+    plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(smem_row, tile_m)],
+                            out_gmem.at[pl.ds(first_row, tile_m), pl.ds(col, tile_n)])
+
+  @pl.when(jnp.logical_not(whole))
+  def _():
+    count = hi - lo
+    done = lo
+    for bit in reversed(range(int(math.log2(tile_m)) + 1)):
+      size = 1 << bit
+
+      @pl.when((count & size) != 0)
+      def _():
+        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(smem_row + done, size)],
+                                out_gmem.at[pl.ds(first_row + done, size), pl.ds(col, tile_n)])
+
+      done = done + (count & size)
+
+
+def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs: bool = False,
+                         num_sms: int | None = None):
+  """lhs bf16|f16[M, K] x rhs [G, K, N] ([G, N, K] with transpose_rhs) -> [M, N] in lhs.dtype.
+
+  `config`: block_m rows x 2 * block_n columns per CTA, block_k the K step, max_concurrent_steps
+  pipeline stages, grid_block_n the snake band in N blocks. K must be a multiple of block_k and N of
+  2 * block_n (the caller pads). Rows past sum(group_sizes) are 0 (zero tiles, no pass over the
+  output). f32 accumulation.
+  """
+  m, k = lhs.shape
+  g = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  tile_m, tile_n, tile_k = config.block_m, config.block_n, config.block_k
+  block_n = 2 * tile_n
+  if k % tile_k or n % block_n:
+    raise ValueError(f"K={k} must be a multiple of block_k={tile_k} and N={n} of 2 * block_n={block_n}.")
+  if tile_m & (tile_m - 1):
+    raise ValueError(f"block_m={tile_m} must be a power of two (partial tiles store power-of-two row runs).")
+  num_tiles = max_tiles(m, g, tile_m)
+  table = tile_table(group_sizes, tile_m, num_tiles, m)
+  n_blocks = n // block_n
+  k_steps = k // tile_k
+  dtype = lhs.dtype
+  transforms = _input_transforms(tile_k, dtype)
+  if num_sms is None:
+    num_sms = jax.devices()[0].core_count
+
+  def pipeline(body, compute_context):
+    rhs_block = (block_n, tile_k) if transpose_rhs else (tile_k, block_n)
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_steps,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((tile_m, tile_k), lambda ki: (0, ki), transforms=transforms,
+                            memory_space=plgpu.SMEM),
+            plgpu.BlockSpec(rhs_block, (lambda ki: (0, ki)) if transpose_rhs else (lambda ki: (ki, 0)),
+                            transforms=transforms, memory_space=plgpu.SMEM),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=config.max_concurrent_steps,
+        compute_context=compute_context,
+    )
+
+  def kernel(table_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    unused = lambda *_, **__: None  # the allocations do not depend on the bodies
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(unused, unused).get_allocations(
+            lhs_gmem.at[pl.ds(0, tile_m), :],
+            rhs_gmem.at[0, pl.ds(0, block_n), :] if transpose_rhs else rhs_gmem.at[0, :, pl.ds(0, block_n)]),
+        out_smem=plgpu.SMEM((2 * tile_m, tile_n), dtype),
+        collective_axes="wg",
+    )
+    def scope(allocations, out_smem):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((num_tiles * n_blocks,), collective_axes="sm")
+      def work(info: plgpu.NDLoopInfo):
+        tile, n_block = plgpu.planar_snake(info.index[0], (num_tiles, n_blocks), 1, config.grid_block_n)
+        group, first_row = table_gmem[0, tile], pl.multiple_of(table_gmem[1, tile], 8)
+        lo, hi = table_gmem[2, tile], table_gmem[3, tile]
+
+        smem_row = pl.multiple_of(wg * tile_m, tile_m)
+        col = n_block * block_n + wg * tile_n
+
+        @pl.when((hi > lo) & (group == g) & (wg < 2))  # rows past the groups: zeros, from the consumers
+        def _():
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          out_smem[pl.ds(smem_row, tile_m), :] = jnp.zeros((tile_m, tile_n), dtype)
+          plgpu.commit_smem()
+          _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, tile_m, tile_n)
+
+        @pl.when((hi > lo) & (group < g))
+        def _():
+          n_slice = pl.ds(n_block * block_n, block_n)
+
+          def compute_context(run_pipeline):
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+            def _(acc_ref):
+              run_pipeline(acc_ref)
+              acc = acc_ref[...].astype(dtype)
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read it
+              out_smem[pl.ds(smem_row, tile_m), :] = acc
+              plgpu.commit_smem()
+              _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, tile_m, tile_n)
+
+          def mma(_, lhs_smem, rhs_smem, acc_ref):
+            if transpose_rhs:
+              rhs_wg = rhs_smem.at[pl.ds(wg * tile_n, tile_n), :].transpose((1, 0))
+            else:
+              rhs_wg = rhs_smem.at[:, pl.ds(wg * tile_n, tile_n)]
+            plgpu.wgmma(acc_ref, lhs_smem, rhs_wg)
+            plgpu.wgmma_wait(0)
+            return acc_ref
+
+          rhs_g = rhs_gmem.at[group, n_slice, :] if transpose_rhs else rhs_gmem.at[group, :, n_slice]
+          pipeline(mma, compute_context)(lhs_gmem.at[pl.ds(first_row, tile_m), :], rhs_g,
+                                         allocations=allocations)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((m, n), dtype),
+      grid=(num_sms,),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )
+  return call(table, lhs, rhs)
+
+
+def group_table(group_sizes: jax.Array) -> jax.Array:
+  """int32[3, G] per group: (first row read, a multiple of 8; rows [lo, hi) of the group from it).
+
+  The dW kernel walks rows first_row + [0, ceil(hi / block_k) * block_k) and zeroes, in the blocks
+  that hold them, the rows outside [lo, hi) (the neighbouring groups'). An empty group has lo = hi.
+  """
+  sizes = group_sizes.astype(jnp.int32)
+  ends = jnp.cumsum(sizes)
+  starts = ends - sizes
+  first_row = starts // 8 * 8
+  return jnp.stack([first_row, starts - first_row, ends - first_row]).astype(jnp.int32)
+
+
+def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sms: int | None = None):
+  """a bf16|f16[M, P], b [M, Q] -> [G, P, Q] in a.dtype: `a_g^T @ b_g` over each group's rows (dW).
+
+  Persistent over (group, P block, Q block) work items, group-major so a group's rows stay in L2
+  while its tiles are computed. A CTA computes block_m x 2 * block_n of one group's output: a TMA
+  producer streams block_k rows of a and b at a time; each consumer warpgroup zeroes, in the first
+  and last block, its half of b's rows that belong to other groups, then accumulates `a_blk^T @ b_blk`
+  in f32. P must be a multiple of block_m and Q of 2 * block_n (the caller pads); rows of a and b in
+  [sum(group_sizes), sum + block_k) must be finite (the caller zeroes them): they meet a 0 there. An
+  empty group's output is 0.
+  """
+  m, p = a.shape
+  q = b.shape[1]
+  g = group_sizes.shape[0]
+  tile_p, tile_q, tile_k = config.block_m, config.block_n, config.block_k
+  block_q = 2 * tile_q
+  if p % tile_p or q % block_q:
+    raise ValueError(f"P={p} must be a multiple of block_m={tile_p} and Q={q} of 2 * block_n={block_q}.")
+  table = group_table(group_sizes)
+  p_blocks, q_blocks = p // tile_p, q // block_q
+  dtype = a.dtype
+  a_transforms = _input_transforms(tile_p, dtype)  # a's block is [rows, P]: P is its minor axis
+  b_transforms = _input_transforms(block_q, dtype)
+  if num_sms is None:
+    num_sms = jax.devices()[0].core_count
+
+  def pipeline(body, compute_context, steps):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((tile_k, tile_p), lambda ki: (ki, 0), transforms=a_transforms, memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((tile_k, block_q), lambda ki: (ki, 0), transforms=b_transforms, memory_space=plgpu.SMEM),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=config.max_concurrent_steps,
+        compute_context=compute_context,
+    )
+
+  def kernel(table_gmem, a_gmem, b_gmem, out_gmem):
+    unused = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        # A static grid of `stages` steps: a shorter one would size the buffers for fewer stages.
+        allocations=pipeline(unused, unused, config.max_concurrent_steps).get_allocations(a_gmem.at[:, pl.ds(0, tile_p)],
+                                                                b_gmem.at[:, pl.ds(0, block_q)]),
+        out_smem=plgpu.SMEM((2 * tile_p, tile_q), dtype),
+        collective_axes="wg",
+    )
+    def scope(allocations, out_smem):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((g, p_blocks * q_blocks), collective_axes="sm")
+      def work(info: plgpu.NDLoopInfo):
+        group = info.index[0]
+        p_block, q_block = plgpu.planar_snake(info.index[1], (p_blocks, q_blocks), 1, config.grid_block_n)
+        first_row, lo, hi = pl.multiple_of(table_gmem[0, group], 8), table_gmem[1, group], table_gmem[2, group]
+        steps = (hi + tile_k - 1) // tile_k
+        smem_row = pl.multiple_of(wg * tile_p, tile_p)
+        out_tile = out_gmem.at[group, pl.ds(p_block * tile_p, tile_p), pl.ds(q_block * block_q + wg * tile_q, tile_q)]
+
+        def store(acc):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          out_smem[pl.ds(smem_row, tile_p), :] = acc.astype(dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(smem_row, tile_p)], out_tile)
+
+        @pl.when((hi == lo) & (wg < 2))  # an empty group: zeros from the two consumer warpgroups
+        def _():
+          store(jnp.zeros((tile_p, tile_q), jnp.float32))
+
+        @pl.when(hi > lo)
+        def _():
+          def compute_context(run_pipeline):
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_p, tile_q), jnp.float32))
+            def _(acc_ref):
+              run_pipeline(acc_ref)
+              store(acc_ref[...])
+
+          def mma(idx, a_smem, b_smem, acc_ref):
+            b_half = b_smem.at[:, pl.ds(wg * tile_q, tile_q)]
+            step = idx[0]
+
+            @pl.when((step == 0) | (step == steps - 1))
+            def _():
+              row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (tile_k, tile_q), 0), plgpu.Layout.WGMMA)
+              row = row + step * tile_k
+              values = b_half[...]
+              b_half[...] = jnp.where((row >= lo) & (row < hi), values, jnp.zeros_like(values))
+              plgpu.commit_smem()
+
+            plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)), b_half)
+            plgpu.wgmma_wait(0)
+            return acc_ref
+
+          rows = pl.ds(first_row, m)  # static length; only the first `steps` blocks are read
+          pipeline(mma, compute_context, steps)(a_gmem.at[rows, pl.ds(p_block * tile_p, tile_p)],
+                                                b_gmem.at[rows, pl.ds(q_block * block_q, block_q)],
+                                                allocations=allocations)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((g, p, q), dtype),
+      grid=(num_sms,),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )
+  return call(table, a, b)
