@@ -207,7 +207,7 @@ def test_pack_plan_is_first_fit(seed):
 
 
 @pytest.mark.slow
-def test_fine_tune_an_imported_checkpoint_on_own_jsonl(tmp_path, corpus):
+def test_fine_tune_an_imported_checkpoint_on_own_jsonl(tmp_path, corpus, caplog):
   # The README's command: init_from and data.tokenizer both name the Hugging Face folder, whose
   # tokenizer_config.json names the EOS token.
   from flax import nnx  # noqa: PLC0415
@@ -229,8 +229,29 @@ def test_fine_tune_an_imported_checkpoint_on_own_jsonl(tmp_path, corpus):
   (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": text_data.EOS_TOKEN}))
   config.init_from = str(hf)
   config.data.update(source="jsonl", path=str(folder / "corpus.jsonl"), tokenizer=str(hf), seq_len=32, batch_size=2)
-  config.train.update(steps=2, warmup_steps=1, log_every=1, checkpoint_every=0, progress_bar=False)
+  config.train.update(steps=2, warmup_steps=1, log_every=1, checkpoint_every=2, progress_bar=False)
   rows = lm.train_and_evaluate(config, str(tmp_path / "run"))
   assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["lm_loss"]) for r in rows)
   # The imported model starts near the uniform loss over its 320 tokens (random init, small weights).
   assert abs(rows[0]["lm_loss"] - np.log(320)) < 1.0
+  # Resuming on another corpus is allowed (fine-tuning in stages) but said: its batches differ.
+  (tmp_path / "other.jsonl").write_text("\n".join(json.dumps({"text": f"line {i} " * 20}) for i in range(30)))
+  config.data.path = str(tmp_path / "other.jsonl")
+  config.train.steps = 3
+  with caplog.at_level(logging.WARNING):
+    assert [r["step"] for r in lm.train_and_evaluate(config, str(tmp_path / "run"))] == [3]
+  assert "checkpoint step 2 was trained on jsonl corpus.jsonl (40 documents" in caplog.text
+  assert "this run reads jsonl other.jsonl (30 documents" in caplog.text
+
+
+def test_tokenization_logs_progress_and_fingerprints_name_the_corpus(corpus, tmp_path, monkeypatch, caplog):
+  folder, _, tokenizer_path = corpus
+  (tmp_path / "corpus.jsonl").write_text((folder / "corpus.jsonl").read_text())
+  monkeypatch.setattr(file_data, "_ENCODE_BATCH", 8)
+  monkeypatch.setattr(file_data, "_PROGRESS_EVERY_S", 0.0)
+  with caplog.at_level(logging.INFO, logger="hyscale_jax.training.file_data"):
+    ds = _jsonl(tmp_path, tokenizer_path)
+  progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenizing corpus.jsonl: ")]
+  percents = [int(m.split(": ")[1].split("%")[0]) for m in progress]
+  assert len(progress) == 5 and percents == sorted(percents) and "(40 documents" in progress[-1], progress
+  assert ds.fingerprint == f"jsonl corpus.jsonl (40 documents, {len(ds.tokens)} tokens, {ds.num_rows} rows of 48)"

@@ -350,7 +350,7 @@ class FileTextDataset(text_data.PackedRows):
       folder = tokenize_jsonl(path, self._tokenizer, tokenizer_hash=tokenizer_hash, eos_id=eos_id,
                               text_field=text_field)
       tokens, offsets_ = open_token_file(folder / "tokens.bin", offsets=folder / "offsets.npy", dtype="uint32")
-      self.path = folder / "tokens.bin"
+      self.path = pathlib.Path(path)
     else:
       tokens, offsets_ = open_token_file(path, offsets=offsets, dtype=token_dtype)
       self.path = pathlib.Path(path)
@@ -383,6 +383,11 @@ class FileTextDataset(text_data.PackedRows):
   @property
   def tokenizer(self) -> tokenizers.Tokenizer | None:
     return self._tokenizer
+
+  @property
+  def fingerprint(self) -> str:
+    return (f"{self.source} {self.path.name} ({len(self._offsets) - 1} documents, {len(self._tokens)} tokens, "
+            f"{self.num_rows} rows of {self.seq_len})")
 
   def _read_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
     return text_data.packed_rows(self._plan, rows, self._piece, self.seq_len, self._eos_id)

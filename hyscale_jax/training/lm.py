@@ -163,8 +163,12 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
   restored = _restore(checkpointer, state, training.layer_groups)
   start = 0
   if restored is not None:
-    start, state, _ = restored
+    start, state, meta = restored
     logging.info("resuming at step %d", start)
+    if meta.get("data", data.fingerprint) != data.fingerprint:
+      # Batch s is a function of (seed, s, the corpus): another corpus resumes on other batches.
+      logging.warning("checkpoint step %d was trained on %s; this run reads %s", start, meta["data"],
+                      data.fingerprint)
 
   metrics_writer = MetricWriter(workdir)
   tensorboard = _tensorboard(workdir)
@@ -203,7 +207,8 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
       bar.set_postfix(loss=f"{row['loss']:.4f}")
       window_start, window_steps = time.perf_counter(), 0
     last = done == train.steps or done == train.stop_at_step
-    checkpointer.maybe_save(done, state, {"step": done, "stage": int(not dense)}, force=last)
+    checkpointer.maybe_save(done, state, {"step": done, "stage": int(not dense), "data": data.fingerprint},
+                            force=last)
   checkpointer.close()
   if tensorboard is not None:
     tensorboard.close()

@@ -446,6 +446,11 @@ class PackedRows:
   def num_rows(self) -> int:
     raise NotImplementedError
 
+  @property
+  def fingerprint(self) -> str:
+    """What the batches depend on besides (seed, step), stored with checkpoints to flag a changed corpus."""
+    raise NotImplementedError
+
   def _read_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
     """The packed rows `rows` (i64[N], in [0, num_rows)): the arrays of `pack_documents`, [N, T] each."""
     raise NotImplementedError
@@ -544,6 +549,10 @@ class PackedTextDataset(PackedRows):
   def rows(self) -> dict[str, np.ndarray]:
     """All packed rows of the split, unshuffled: the arrays of `pack_documents`, [R, T] each."""
     return self._rows
+
+  @property
+  def fingerprint(self) -> str:
+    return f"{self.source} (vocab {self.vocab_size}, {self.num_rows} rows of {self.seq_len})"
 
   def _read_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
     return {name: array[rows] for name, array in self._rows.items()}
