@@ -84,8 +84,11 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_in_one(tmp_path):
   two = tmp_path / "two"
   _assert_close(_losses(two), {1: want[1]})  # process 0 alone wrote the metrics
   assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["1"]
-  # Orbax wrote each shard once: the two processes' checkpoint is no larger than one process's.
-  assert _bytes(two / "checkpoints" / "1") < 1.1 * _bytes(tmp_path / "one" / "checkpoints" / "1")
+  # Orbax wrote each chunk once: the processes' databases share no key, and together hold one process's.
+  written = _chunks_by_process(two / "checkpoints" / "1")
+  assert sorted(written) == ["ocdbt.process_0", "ocdbt.process_1"] and all(written.values())
+  assert not written["ocdbt.process_0"] & written["ocdbt.process_1"]
+  assert set.union(*written.values()) == set.union(*_chunks_by_process(tmp_path / "one" / "checkpoints" / "1").values())
   lm.train_and_evaluate(_config(_fields(tmp_path, mesh)), str(two))
   _assert_close(_losses(two), want)
 
@@ -99,8 +102,12 @@ def _file_fields(tmp_path, mesh, source="jsonl", **train):
   return fields
 
 
-def _bytes(folder):
-  return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+def _chunks_by_process(checkpoint):
+  """{`ocdbt.process_<i>`: the array chunk keys that process wrote} of an orbax checkpoint folder."""
+  import tensorstore as ts  # noqa: PLC0415 (orbax's storage layer)
+
+  return {db.name: set(ts.KvStore.open({"driver": "ocdbt", "base": f"file://{db}/"}).result().list().result())
+          for db in (checkpoint / "state").glob("ocdbt.process_*")}
 
 
 def _truncate_all_files(folder):
@@ -175,6 +182,9 @@ def test_checkpoints_of_one_and_four_processes_resume_in_four_and_two(tmp_path):
   assert codes == [0, 0], outs
   _assert_close(_losses(run), _losses(tmp_path / "straight"))
   assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["1", "2", "3"]
+  written = _chunks_by_process(run / "checkpoints" / "2")  # by 4 processes: each chunk once
+  assert len(written) == 4 and sum(map(len, written.values())) == len(set.union(*written.values()))
+  assert set.union(*written.values()) == set.union(*_chunks_by_process(run / "checkpoints" / "1").values())
 
 
 # Each axis across processes: data x context (data spans them), fsdp x expert (fsdp spans them, the
