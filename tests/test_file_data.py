@@ -255,3 +255,25 @@ def test_tokenization_logs_progress_and_fingerprints_name_the_corpus(corpus, tmp
   percents = [int(m.split(": ")[1].split("%")[0]) for m in progress]
   assert len(progress) == 5 and percents == sorted(percents) and "(40 documents" in progress[-1], progress
   assert ds.fingerprint == f"jsonl corpus.jsonl (40 documents, {len(ds.tokens)} tokens, {ds.num_rows} rows of 48)"
+
+
+def test_processes_of_a_host_take_turns_to_tokenize(corpus, tmp_path, caplog):
+  import fcntl  # noqa: PLC0415
+  import threading  # noqa: PLC0415
+
+  folder, _, tokenizer_path = corpus
+  path = tmp_path / "corpus.jsonl"
+  path.write_text((folder / "corpus.jsonl").read_text())
+  tokenizer, eos_id, digest = file_data.load_tokenizer(tokenizer_path)
+  tokenize = lambda: file_data.tokenize_jsonl(path, tokenizer, tokenizer_hash=digest, eos_id=eos_id)  # noqa: E731
+  done = []
+  with caplog.at_level(logging.INFO, logger="hyscale_jax.training.file_data"), open(path, "rb") as other:
+    fcntl.flock(other, fcntl.LOCK_EX)  # another process is tokenizing
+    waiter = threading.Thread(target=lambda: done.append(tokenize()))
+    waiter.start()
+    waiter.join(timeout=0.5)
+    assert waiter.is_alive() and not done and not list(tmp_path.glob("corpus.jsonl.tokens-*"))
+    fcntl.flock(other, fcntl.LOCK_UN)
+    waiter.join(timeout=60)
+  assert "waiting for another process tokenizing" in caplog.text
+  assert done and (done[0] / "meta.json").is_file() and tokenize() == done[0]

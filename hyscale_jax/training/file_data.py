@@ -19,6 +19,7 @@ process reads only its rows of the global batch, deterministically from (seed, s
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -191,8 +192,9 @@ def tokenize_jsonl(path: str | os.PathLike, tokenizer: tokenizers.Tokenizer, *, 
   """Tokenizes a JSONL corpus once into a token-file folder beside it; later calls reuse it.
 
   The folder holds `tokens.bin` (uint32, flat), `offsets.npy` and `meta.json`. It is written under a
-  temporary name and renamed into place, so a killed run leaves no half-written cache, and processes
-  tokenizing the same file at once (one per host) each end with the same complete folder. Lines are
+  temporary name and renamed into place, so a killed run leaves no half-written cache. The processes
+  of a host take turns on a lock of the file (one tokenizes); hosts sharing the folder each end with
+  the same complete folder. Lines are
   read and encoded in batches: the corpus is never in memory. Blank lines and empty texts are
   skipped, counted and logged; progress is logged every 10 s (a tqdm bar on a terminal).
 
@@ -211,20 +213,30 @@ def tokenize_jsonl(path: str | os.PathLike, tokenizer: tokenizers.Tokenizer, *, 
   folder = jsonl_cache_dir(path, tokenizer_hash=tokenizer_hash, eos_id=eos_id, text_field=text_field)
   if (folder / "meta.json").is_file():
     return folder
-  staging = folder.with_name(f".{folder.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-  staging.mkdir()
-  try:
-    meta = _tokenize_into(path, staging, tokenizer, text_field)
-    meta |= {"format": CACHE_FORMAT, "source": str(path), "tokenizer_sha256": tokenizer_hash, "eos_id": eos_id,
-             "text_field": text_field}
-    text_data._atomic_write(staging / "meta.json", lambda f: f.write(json.dumps(meta, indent=2).encode()))
+  # The processes of one host (one per GPU) take turns on a lock of the JSONL file itself: one
+  # tokenizes, the others then find the cache. The kernel drops the lock of a process that dies.
+  with open(path, "rb") as lock:
     try:
-      os.rename(staging, folder)
-    except OSError:  # another process renamed its identical folder first
-      if not (folder / "meta.json").is_file():
-        raise
-  finally:
-    shutil.rmtree(staging, ignore_errors=True)
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      log.info("waiting for another process tokenizing %s", path)
+      fcntl.flock(lock, fcntl.LOCK_EX)
+    if (folder / "meta.json").is_file():
+      return folder
+    staging = folder.with_name(f".{folder.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    staging.mkdir()
+    try:
+      meta = _tokenize_into(path, staging, tokenizer, text_field)
+      meta |= {"format": CACHE_FORMAT, "source": str(path), "tokenizer_sha256": tokenizer_hash, "eos_id": eos_id,
+               "text_field": text_field}
+      text_data._atomic_write(staging / "meta.json", lambda f: f.write(json.dumps(meta, indent=2).encode()))
+      try:
+        os.rename(staging, folder)
+      except OSError:  # a process of another host, sharing the folder, renamed its identical one first
+        if not (folder / "meta.json").is_file():
+          raise
+    finally:
+      shutil.rmtree(staging, ignore_errors=True)
   return folder
 
 
