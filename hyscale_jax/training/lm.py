@@ -29,10 +29,9 @@ from hyscale_jax import convert, models, parallel
 from hyscale_jax import sharding as shd
 from hyscale_jax.layers.moe import MoE, update_router_bias
 from hyscale_jax.model_config import ModelConfig
-from hyscale_jax.training import layer_stacks, memory, step_modes
+from hyscale_jax.training import file_data, layer_stacks, memory, step_modes
 from hyscale_jax.training.checkpoints import CheckpointError, Checkpointer
 from hyscale_jax.training.metrics import MetricWriter
-from hyscale_jax.training.text_data import PackedTextDataset
 
 DENSE_STAGE, SPARSE_STAGE = 0, 1
 
@@ -151,12 +150,15 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
   optimizer state live split by their logical axes (FSDP over `fsdp`, heads/FFN over `tensor`).
   """
   train = config.train
-  data_args = dict(source=config.data.source, vocab_size=config.data.vocab_size, seq_len=config.data.seq_len,
-                   batch_size=config.data.batch_size, seed=train.seed, cache_dir=config.data.cache_dir or None)
-  data = PackedTextDataset(**data_args)
-  validation = PackedTextDataset(**data_args, split="validation")
-  if data.vocab_size > cfg.vocab_size:
-    raise ValueError(f"the tokenizer has {data.vocab_size} tokens > model.vocab_size={cfg.vocab_size}.")
+  data = file_data.open_dataset(config.data, model_vocab_size=cfg.vocab_size, seed=train.seed)
+  validation = file_data.open_dataset(config.data, model_vocab_size=cfg.vocab_size, seed=train.seed,
+                                      split="validation")
+  # This process reads only the rows its devices hold, and the same rows whatever the process count.
+  rows = parallel.process_rows(mesh, config.data.batch_size)
+  logging.info("process %d reads rows %s of each global batch of %d", jax.process_index(), rows.tolist(),
+               config.data.batch_size)
+  feed = lambda dataset, step: parallel.global_batch(  # noqa: E731
+      mesh, dataset.batch(step, rows=rows), rows=rows, batch_size=config.data.batch_size)
 
   training = build_training(config, cfg, mesh, rules)
   state, train_step, evaluate, objective = training.state, training.train_step, training.evaluate, training.objective
@@ -164,8 +166,12 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
   restored = _restore(checkpointer, state, training.layer_groups)
   start = 0
   if restored is not None:
-    start, state, _ = restored
+    start, state, meta = restored
     logging.info("resuming at step %d", start)
+    if meta.get("data", data.fingerprint) != data.fingerprint:
+      # Batch s is a function of (seed, s, the corpus): another corpus resumes on other batches.
+      logging.warning("checkpoint step %d was trained on %s; this run reads %s", start, meta["data"],
+                      data.fingerprint)
 
   metrics_writer = MetricWriter(workdir)
   tensorboard = _tensorboard(workdir)
@@ -178,7 +184,7 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
       logging.info("stopping at step %d (train.stop_at_step); rerun to continue", step)
       break
     dense = step < train.warmup_steps
-    batch = parallel.global_batch(mesh, data.batch(step))
+    batch = feed(data, step)
     state, metrics = train_step(state, batch, dense)
     if not bool(metrics["finite"]):
       # The state is the pre-step state, so the gradients can be recomputed to name the culprit.
@@ -190,7 +196,7 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
       metrics = {k: float(v) for k, v in metrics.items() if k != "finite"}
       metrics["skipped_steps"] = int(state["skipped_steps"])
       elapsed = time.perf_counter() - window_start
-      val = parallel.global_batch(mesh, validation.batch(0))
+      val = feed(validation, 0)
       row = metrics_writer.write(done, dict(
           **metrics, val_lm_loss=evaluate(state["params"], state["rest"], val, dense),
           stage=DENSE_STAGE if dense else SPARSE_STAGE, tokens_per_sec=window_steps * tokens_per_step / elapsed,
@@ -204,7 +210,8 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
       bar.set_postfix(loss=f"{row['loss']:.4f}")
       window_start, window_steps = time.perf_counter(), 0
     last = done == train.steps or done == train.stop_at_step
-    checkpointer.maybe_save(done, state, {"step": done, "stage": int(not dense)}, force=last)
+    checkpointer.maybe_save(done, state, {"step": done, "stage": int(not dense), "data": data.fingerprint},
+                            force=last)
   checkpointer.close()
   if tensorboard is not None:
     tensorboard.close()
