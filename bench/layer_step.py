@@ -232,7 +232,7 @@ def indexer_loss(kind, cfg, a, d, index, sel, lse, backend):
     return ops.indexer_loss(*index, d["q"], d["k"], lse, sel, attn_scale=a.scale, index_scale=a.indexer.score_scale,
                             key_tokens=key_tokens, key_pool=cfg.indexer_pool, **kw)
   q, k = (d["q"], d["k"]) if kind == "dsa" else (d["q"], d["entries"][:, :, None])
-  scale = cfg.attention_scale if kind == "dsa" else a.scale
+  scale = a.scale  # MLA's includes YaRN's mscale
   return ops.indexer_loss(*index, q, k, lse, sel, attn_scale=scale, index_scale=a.indexer.score_scale,
                           compress_ratio=cfg.csa_ratio if kind == "csa" else 1, segment_ids=d["segs"], **kw)
 
@@ -262,7 +262,7 @@ def run_parts(kind, block, x, modes, call):
     sel = call(f"selection[{backend}]", functools.partial(select, kind, cfg, a.indexer.score_scale, backend=backend),
                d, index)
   q, k, v, idx = call("attention_inputs", lambda d, sel: attention_args(kind, cfg, d, sel), d, sel)
-  scale = cfg.attention_scale if kind == "dsa" else a.scale
+  scale = a.scale  # MLA's includes YaRN's mscale
   value_dim = cfg.kv_lora_rank if kind == "dsa" else None
   attend = lambda q, k, v, idx, sinks: ops.sparse_attention(q, k, v, idx, sinks=sinks, scale=scale,
                                                             value_dim=value_dim)

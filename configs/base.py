@@ -89,6 +89,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Before compiling, estimate the per-device memory and stop with the knobs that would fit when it
   # clearly exceeds the device (hyscale_jax/training/memory.py).
   config.train.memory_preflight = True
+  # Weight of the MTP loss (mean over model.mtp_depth depths) in the sparse stage's total; DeepSeek-V3
+  # used 0.3, then 0.1 for the last part of training. Nothing when model.mtp_depth is 0.
+  config.train.mtp_loss_weight = 0.3
   return config
 
 
@@ -115,11 +118,24 @@ def two_stage_lm(name: str, variant: str, full: dict, tiny: dict, *, full_seq_le
   config.model = ml_collections.ConfigDict(
       {k: list(v) if isinstance(v, tuple) else v for k, v in model.items()})
 
+  # "shakespeare" or "pydoc" (bundled, with a BPE of data.vocab_size trained on them), or the user's own
+  # corpus (hyscale_jax/training/file_data.py): "jsonl" (data.path, tokenized with data.tokenizer) or
+  # "tokens" (data.path: .npy or flat data.token_dtype binary; data.offsets: i64[D + 1] document bounds).
   config.data.source = "shakespeare"
   config.data.vocab_size = config.model.vocab_size
   config.data.seq_len = 256 if is_tiny else full_seq_len
   config.data.batch_size = 8 if is_tiny else 1
   config.data.cache_dir = ""
+  config.data.path = ""
+  # tokenizer.json, or a folder holding one (an imported Hugging Face checkpoint).
+  config.data.tokenizer = ""
+  config.data.text_field = "text"
+  config.data.offsets = ""  # "": <data.path stem>.offsets.npy
+  config.data.token_dtype = "uint16"
+  # End-of-document id (appended to each document, and padding); -1: the tokenizer's EOS token,
+  # data.eos_token or, when "", the tokenizer_config.json beside it or a common name.
+  config.data.eos_id = -1
+  config.data.eos_token = ""
 
   # Indexer KL coefficient in the sparse stage, and the indexer's own learning rate.
   config.optim.indexer_loss_coeff = 1.0

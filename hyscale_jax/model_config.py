@@ -38,6 +38,17 @@ class ModelConfig:
   dense_inter: int = 12288
   rms_eps: float = 1e-5
   rope_theta: float = 1e6
+  # YaRN scaling (layers/rope.py `YaRN`, transformers' `rope_type: "yarn"` fields) of the long-range
+  # RoPE: GLM-5 / V3.2's MLA and indexer rope, DeepSeek-V4's compressed layers (`compress_rope_theta`;
+  # SWA layers never scale). rope_yarn_factor 0 disables it; attention_factor 0 derives it from mscale.
+  rope_yarn_factor: float = 0.0
+  rope_yarn_original_max_len: int = 0
+  rope_yarn_beta_fast: float = 32.0
+  rope_yarn_beta_slow: float = 1.0
+  rope_yarn_mscale: float = 0.0
+  rope_yarn_mscale_all_dim: float = 0.0
+  rope_yarn_attention_factor: float = 0.0
+  rope_yarn_truncate: bool = True
   tie_embeddings: bool = False
   # MLA.
   n_heads: int = 64
@@ -55,6 +66,10 @@ class ModelConfig:
   n_shared_experts: int = 1
   moe_inter: int = 2048
   routed_scaling: float = 2.5
+  # DeepSeek-V4's hash routing: the first `n_hash_layers` MoE layers choose experts by a fixed token
+  # table (`tid2eid` [vocab, k], layers/moe.py) instead of by score; their combine weights still
+  # come from the router's scores.
+  n_hash_layers: int = 0
   scoring: str = "sigmoid"
   norm_topk_prob: bool = True
   n_group: int = 1
@@ -146,6 +161,11 @@ class ModelConfig:
   lm_loss_chunk: int = 2048
   # QSA indexer q/k norms zero-centred (weight applied as 1 + w), as transformers' qwen4_exp has them.
   indexer_norm_zero_centered: bool = False
+  # Multi-token prediction (models/mtp.py): this many extra blocks after the last layer, depth d
+  # predicting token t + 2 + d at position t from depth d-1's hidden state and the embedding of
+  # token t + 1 + d; they share the embedding and the LM head (0: none). The published GLM-5.1,
+  # DeepSeek-V4 and Qwen3.8-Flash-Next have 1.
+  mtp_depth: int = 0
   # Numerics and memory.
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -216,7 +236,10 @@ class ModelConfig:
                        "(0: unchunked).")
     if not isinstance(self.lm_loss_chunk, int) or self.lm_loss_chunk < 0:
       raise ValueError(f"model.lm_loss_chunk={self.lm_loss_chunk!r} must be an int >= 0 (0: unchunked).")
+    if not isinstance(self.mtp_depth, int) or isinstance(self.mtp_depth, bool) or self.mtp_depth < 0:
+      raise ValueError(f"model.mtp_depth={self.mtp_depth!r} must be an int >= 0 (0: no MTP).")
     self._check_hyper_connections()
+    self._check_yarn_and_hash()
     if self.shared_expert_gate and self.n_shared_experts < 1:
       raise ValueError("model.shared_expert_gate=True needs shared experts, got "
                        f"n_shared_experts={self.n_shared_experts}.")
@@ -240,6 +263,19 @@ class ModelConfig:
       raise ValueError(f"model.hc_sinkhorn_iters={self.hc_sinkhorn_iters} must be >= 1 for DeepSeek-V4's mHC.")
     if self.architecture == "qwen4_exp" and self.hc_lowrank < 1:
       raise ValueError(f"model.hc_lowrank={self.hc_lowrank} must be >= 1 for Qwen4-Exp's gated residual.")
+
+  def _check_yarn_and_hash(self):
+    if self.rope_yarn_factor:
+      if self.rope_yarn_factor < 1 or self.rope_yarn_original_max_len < 1:
+        raise ValueError(f"model.rope_yarn_factor={self.rope_yarn_factor} must be >= 1 (0: no YaRN) with "
+                         f"rope_yarn_original_max_len={self.rope_yarn_original_max_len} >= 1.")
+      if self.architecture == "qwen4_exp":
+        raise ValueError(f"model.rope_yarn_factor={self.rope_yarn_factor}: qwen4_exp has no YaRN RoPE; use 0.")
+    n_moe = self.n_layers - self.first_k_dense
+    if not isinstance(self.n_hash_layers, int) or not 0 <= self.n_hash_layers <= n_moe:
+      raise ValueError(f"model.n_hash_layers={self.n_hash_layers!r} must be an int in [0, {n_moe}] (the MoE layers).")
+    if self.n_hash_layers and self.architecture != "deepseek_v4":
+      raise ValueError(f"model.n_hash_layers={self.n_hash_layers}: only deepseek_v4 has hash-routed MoE layers.")
 
   def _check_qwen4_exp(self):
     if len(self.layer_types) != self.n_layers:
@@ -327,7 +363,11 @@ class ModelConfig:
   def is_moe(self, layer: int) -> bool:
     return layer >= self.first_k_dense
 
+  def is_hash_moe(self, layer: int) -> bool:
+    """Whether `layer` is one of the first `n_hash_layers` MoE layers, routed by the token table."""
+    return self.first_k_dense <= layer < self.first_k_dense + self.n_hash_layers
+
   @property
   def attention_scale(self) -> float:
-    """τ = (qk_nope_dim + qk_rope_dim)^{-1/2} (no YaRN mscale)."""
+    """τ = (qk_nope_dim + qk_rope_dim)^{-1/2}, before YaRN's mscale (`MLASparseAttention.scale` has it)."""
     return (self.qk_nope_dim + self.qk_rope_dim) ** -0.5

@@ -29,3 +29,15 @@ def assert_trains_both_stages_and_resumes(make_config, workdir):
   assert rows[0]["lr"] == 0.0 and rows[0]["indexer_lr"] > 0  # warm-up: only the indexer learns
   lm.train_and_evaluate(make_config(8), str(workdir))  # resumes from step 6
   assert [r["step"] for r in read()] == [2, 4, 6, 8]
+
+
+def write_jsonl_corpus(folder, *, n_docs=40, vocab_size=300, extra_lines=()):
+  """`folder/corpus.jsonl` (pydoc topics, one {"text": ...} per line, then `extra_lines`) and
+  `folder/tokenizer.json` (a byte-level BPE of `vocab_size` trained on them); returns the documents."""
+  from hyscale_jax.training import text_data  # noqa: PLC0415
+
+  docs = text_data.pydoc_documents()[:n_docs]
+  (folder / "tokenizer.json").write_text(text_data.train_tokenizer(docs, vocab_size).to_str())
+  lines = [json.dumps({"text": d, "id": i}) for i, d in enumerate(docs)] + list(extra_lines)
+  (folder / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+  return docs

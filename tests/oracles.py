@@ -516,3 +516,48 @@ def gated_deltanet_oracle(x, params, *, n_key_heads, key_dim, value_dim, eps, ga
     act = act if gate == "sigmoid" else z * act
     out = out / np.sqrt(np.mean(out * out, axis=-1, keepdims=True) + eps) * p["norm"] * act
     return out.reshape(B, T, Hv * Dv) @ p["out_proj"]
+
+
+def mtp_loss_oracle(main_hidden, targets, loss_mask, embedding, head, depths, *, eps):
+  """float64 MTP loss (models/mtp.py): the mean over depths of each depth's masked cross-entropy.
+
+  Depth d at position t embeds tok[t + 1 + d] = targets[t + d], predicts targets[t + 1 + d], and
+  counts where loss_mask[t .. t + 1 + d] are all 1 (positions past T count 0), written with loops.
+
+  Args:
+    main_hidden: [B, T, D] the main model's normalised hidden state (depth 0's `prev`), or its
+      residual streams [B, T, N, D] (DeepSeek-V4): the embedding then joins every stream, and the
+      next depth takes the block's output streams.
+    targets: int[B, T]; loss_mask: [B, T]; embedding: [V, D]; head: [D, V].
+    depths: per depth a dict with `enorm`, `hnorm`, `norm` ([D] RMSNorm weights), `eh_proj` ([2D, D]),
+      `block` (a callable, the decoder block, shape-preserving) and with streams `collapse` (a
+      callable [B, T, N, D] -> [B, T, D] before `norm`).
+  """
+  h, targets, loss_mask = _f64(main_hidden), np.asarray(targets), _f64(loss_mask)
+  E, W = _f64(embedding), _f64(head)
+  B, T = h.shape[:2]
+  rms = lambda x, w: x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f64(w)
+  losses = []
+  for d, depth in enumerate(depths):
+    tokens = np.zeros((B, T), np.int64)
+    for b in range(B):
+      for t in range(T - d):
+        tokens[b, t] = targets[b, t + d]
+    e = rms(E[tokens], depth["enorm"])
+    if h.ndim == 4:
+      e = np.broadcast_to(e[:, :, None, :], h.shape)
+    x = _f64(depth["block"](np.concatenate([e, rms(h, depth["hnorm"])], axis=-1) @ _f64(depth["eh_proj"])))
+    out = rms(_f64(depth["collapse"](x)) if x.ndim == 4 else x, depth["norm"])
+    h = x if x.ndim == 4 else out
+    logits = out @ W
+    total, count = 0.0, 0.0
+    for b in range(B):
+      for t in range(T):
+        if t + 1 + d >= T or not all(loss_mask[b, t + j] for j in range(d + 2)):
+          continue
+        row = logits[b, t]
+        lse = np.log(np.sum(np.exp(row - row.max()))) + row.max()
+        total += lse - row[targets[b, t + 1 + d]]
+        count += 1
+    losses.append(total / max(count, 1.0))
+  return float(np.mean(losses))

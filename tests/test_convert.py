@@ -83,7 +83,8 @@ def _qwen_sets(ours, theirs, cfg):
 
 _PARITY = {"glm_moe_dsa": (_glm_layers, _glm_sets), "deepseek_v4": (_v4_layers, _v4_sets),
            "qwen4_exp": (_qwen_layers, _qwen_sets), "qwen4_exp_gdn": (_qwen_layers, _qwen_sets),
-           "qwen4_exp_engram": (_qwen_layers, _qwen_sets)}
+           "qwen4_exp_engram": (_qwen_layers, _qwen_sets),
+           "glm_moe_dsa_yarn": (_glm_layers, _glm_sets), "deepseek_v4_yarn_hash": (_v4_layers, _v4_sets)}
 
 
 @pytest.mark.parametrize("model_type", sorted(_PARITY))
@@ -176,7 +177,11 @@ def test_one_expert_of_the_wrong_shape_is_named(tmp_path):
     convert.import_checkpoint(str(tmp_path / "ckpt"))
 
 
-@pytest.mark.parametrize("model_type", sorted(_PARITY))
+# Every fixture, the MTP ones (tests/test_mtp.py) included.
+_ALL_FIXTURES = sorted(path.name for path in FIXTURES.iterdir() if (path / "config.json").exists())
+
+
+@pytest.mark.parametrize("model_type", _ALL_FIXTURES)
 def test_exported_config_json_is_the_imported_one(model_type, tmp_path):
   original = json.loads((FIXTURES / model_type / "config.json").read_text())
   model = convert.import_checkpoint(str(FIXTURES / model_type))
@@ -185,7 +190,7 @@ def test_exported_config_json_is_the_imported_one(model_type, tmp_path):
   assert json.loads((tmp_path / "hf" / "config.json").read_text()) == original
 
 
-@pytest.mark.parametrize("model_type", sorted(_PARITY))
+@pytest.mark.parametrize("model_type", _ALL_FIXTURES)
 def test_config_of_a_model_not_imported_is_complete(model_type):
   original = json.loads((FIXTURES / model_type / "config.json").read_text())
   cfg = dataclasses.replace(convert.read_config(str(FIXTURES / model_type)), hf_config="")
@@ -223,9 +228,9 @@ def test_unsupported_config_value_is_named(tmp_path):
   shutil.copytree(FIXTURES / "glm_moe_dsa", tmp_path / "ckpt")
   config_path = tmp_path / "ckpt" / "config.json"
   config = json.loads(config_path.read_text())
-  config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+  config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}
   config_path.write_text(json.dumps(config))
-  with pytest.raises(convert.UnsupportedConfigError, match="rope_type='yarn'"):
+  with pytest.raises(convert.UnsupportedConfigError, match="rope_type='longrope'"):
     convert.import_checkpoint(str(tmp_path / "ckpt"))
 
 
@@ -315,3 +320,48 @@ def test_init_from_refuses_a_different_model(tmp_path):
   cfg = ModelConfig.from_config(glm5_1.get_config("tiny").model)
   with pytest.raises(ValueError, match="vocab_size: checkpoint 96 vs config 2048"):
     convert.load_pretrained(str(FIXTURES / "glm_moe_dsa"), cfg)
+
+
+def test_yarn_and_hash_routing_fixtures_are_within_1e_5_and_use_their_features():
+  # The YaRN and hash-routing fixtures: logits within 1e-5 relative (the parity test's bound is looser
+  # for the older fixtures), and YaRN really matters: without it the logits are off.
+  for name in ("glm_moe_dsa_yarn", "deepseek_v4_yarn_hash"):
+    outputs = load_file(str(FIXTURES / name / "outputs.safetensors"))
+    error = lambda model: _relative_error(np.asarray(model(jnp.asarray(outputs["input_ids"])).logits),
+                                          outputs["logits"])
+    assert error(convert.import_checkpoint(str(FIXTURES / name), remat_policy="none", rope_yarn_factor=0.0)) > 1e-3
+    model = convert.import_checkpoint(str(FIXTURES / name), remat_policy="none")
+    assert error(model) < 1e-5 and model.cfg.rope_yarn_factor > 1
+  assert model.cfg.n_hash_layers == 2 and model.cfg.rope_yarn_attention_factor == 1.0
+  table = np.asarray(model.layers[0].mlp.tid2eid[...])
+  hf_table = CheckpointReader(str(FIXTURES / "deepseek_v4_yarn_hash")).read("model.layers.0.ffn.gate.tid2eid")
+  assert table.dtype == np.int32 and np.array_equal(table, hf_table) and len(np.unique(table)) > 1
+
+
+def test_deepseek_v4_config_forms_read_as_transformers_reads_them():
+  base = json.loads((FIXTURES / "deepseek_v4_yarn_hash" / "config.json").read_text())
+  edited = lambda **changes: {**json.loads(json.dumps(base)), **changes}
+  without_types = edited()
+  del without_types["mlp_layer_types"]
+  assert convert.from_hf(without_types).n_hash_layers == 3  # transformers' default
+  assert convert.from_hf({**without_types, "num_hash_layers": 1}).n_hash_layers == 1
+  with pytest.raises(convert.UnsupportedConfigError, match=r"mlp_layer_types=\['moe', 'hash_moe'"):
+    convert.from_hf(edited(mlp_layer_types=["moe", "hash_moe", "moe", "moe"]))
+  # The published form: a flat (legacy) rope_scaling is the compressed layers' YaRN, attention factor 1.
+  flat = edited(rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                              "beta_fast": 32, "beta_slow": 1})
+  del flat["rope_parameters"]
+  cfg = convert.from_hf(flat)
+  assert (cfg.rope_yarn_factor, cfg.rope_yarn_attention_factor, cfg.compress_rope_theta) == (16.0, 1.0, 160000.0)
+  nested = edited()
+  del nested["rope_parameters"]["compress"]["attention_factor"]  # transformers then derives 0.1 ln 16 + 1
+  assert convert.from_hf(nested).rope_yarn_attention_factor == 0.0
+  nested["rope_parameters"]["main"]["rope_type"] = "yarn"
+  with pytest.raises(convert.UnsupportedConfigError, match="rope_parameters.main.rope_type='yarn'"):
+    convert.from_hf(nested)
+  # The YaRN and hash-routing checks join the others in one error naming every field.
+  both = edited(mlp_layer_types=["moe", "hash_moe", "moe", "moe"], num_key_value_heads=2)
+  both["rope_parameters"]["compress"]["rope_type"] = "longrope"
+  with pytest.raises(convert.UnsupportedConfigError, match=r"^deepseek_v4: mlp_layer_types=.*; num_key_value_heads=2 "
+                     r".*; rope_parameters.compress.rope_type='longrope' [^;]*$"):
+    convert.from_hf(both)

@@ -330,5 +330,30 @@ def test_config_rejects_a_wrong_layer_pattern():
 
 
 def test_trains_both_stages_and_resumes(tmp_path):
-  make = lambda steps: small_lm_config(deepseek_v4_flash.get_config, _SMALL, tmp_path, steps)
+  # With the published model's features on: a hash-routed first layer and YaRN on the compressed layers.
+  make = lambda steps: small_lm_config(deepseek_v4_flash.get_config, _SMALL, tmp_path, steps, n_hash_layers=1,
+                                       rope_yarn_factor=16.0, rope_yarn_original_max_len=16,
+                                       rope_yarn_attention_factor=1.0)
   assert_trains_both_stages_and_resumes(make, tmp_path / "run")
+
+
+def test_hash_layers_in_scanned_groups_route_by_token_and_equal_unrolled():
+  # Four HCA layers, the first two hash-routed: two scanned runs of two structurally equal layers; the
+  # token ids reach the hash layers inside the scan.
+  cfg = dataclasses.replace(_SMALL, compress_ratios=(8,) * 4, n_hash_layers=2, remat_policy="none",
+                            rope_yarn_factor=16.0, rope_yarn_original_max_len=16)
+  model = models.build(cfg, rngs=nnx.Rngs(0))
+  assert model.layer_runs() == [(0, 1, 2, 0), (2, 1, 2, 0)]
+  assert model.scanned_layer_groups() == [[0, 1], [2, 3]]
+  assert [layer.mlp.tid2eid is not None for layer in model.layers] == [True] * 2 + [False] * 2
+  tokens = jax.random.randint(jax.random.key(0), (B, T), 0, cfg.vocab_size)
+  scanned = model(tokens)
+  unrolled = models.build(dataclasses.replace(cfg, scan_layers=False), rngs=nnx.Rngs(0))(tokens)
+  np.testing.assert_allclose(scanned.logits, unrolled.logits, rtol=1e-5, atol=1e-5)
+  # A hash layer's expert load is its table's rows of the tokens, whatever the hidden states.
+  table = np.asarray(model.layers[1].mlp.tid2eid[...])
+  want = np.bincount(table[np.asarray(tokens)].reshape(-1), minlength=cfg.n_routed_experts) / (B * T * 2)
+  np.testing.assert_allclose(scanned.aux["expert_load"][1], want, rtol=1e-6)
+  # Other tokens, other experts: the ids are really threaded through.
+  other = model((tokens + 1) % cfg.vocab_size).aux["expert_load"][1]
+  assert not np.allclose(other, scanned.aux["expert_load"][1])

@@ -266,3 +266,50 @@ def test_token_chunks_give_the_same_output_load_and_gradients():
       np.testing.assert_allclose(g_c, g, rtol=1e-4, atol=1e-6)
   with pytest.raises(ValueError, match="moe_token_chunk=20"):
     MoE(16, 24, 6, 2, 1, token_chunk=20, rngs=nnx.Rngs(0))(x)
+
+
+def _hash_oracle(moe, x, token_ids):
+  """float64 hash routing: experts tid2eid[token], weights = their renormalised scores x scaling."""
+  tokens = np.asarray(x, np.float64).reshape(-1, D)
+  table = np.asarray(moe.tid2eid[...])
+  wg, wu, wd = _np(moe.experts_gate_proj), _np(moe.experts_up_proj), _np(moe.experts_down_proj)
+  scores = np.sqrt(np.log1p(np.exp(tokens @ _np(moe.gate.kernel))))  # sqrtsoftplus
+  out = np.zeros_like(tokens)
+  for n, (tok, t) in enumerate(zip(tokens, np.asarray(token_ids).reshape(-1))):
+    chosen = table[t]
+    w = scores[n, chosen] / scores[n, chosen].sum() * moe.routed_scaling
+    for e, we in zip(chosen, w):
+      out[n] += we * ((_silu(tok @ wg[e]) * (tok @ wu[e])) @ wd[e])
+  return out.reshape(x.shape)
+
+
+def test_hash_routing_matches_oracle_and_ignores_the_hidden_state():
+  V = 11
+  moe = _moe(scoring="sqrtsoftplus", routed_scaling=1.5, selection_bias=False, hash_vocab=V)
+  table = np.asarray(moe.tid2eid[...])
+  # A fresh table: k distinct experts per token id, all in range; not a Param, no router bias.
+  assert table.shape == (V, K) and table.dtype == np.int32 and table.min() >= 0 and table.max() < E
+  assert all(len(set(row)) == K for row in table)
+  assert moe.e_score_correction_bias is None and not jax.tree.leaves(nnx.state(moe, RouterBias))
+  assert "tid2eid" not in {p[0] for p, _ in nnx.to_flat_state(nnx.state(moe, nnx.Param))}
+  # Adversarial ids: the first and last row, repeats, and a row that names one expert twice.
+  moe.tid2eid[...] = moe.tid2eid[...].at[3].set(jnp.array([5, 5], jnp.int32))
+  token_ids = jnp.array([[0, V - 1, 3, 3, 7], [3, 0, 0, V - 1, 2]], jnp.int32)
+  x = _x()
+  y, load = moe(x, token_ids=token_ids)
+  np.testing.assert_allclose(y, _hash_oracle(moe, x, token_ids), rtol=1e-5, atol=1e-5)
+  ids, _ = moe.route(x.reshape(-1, D), token_ids.reshape(-1))
+  np.testing.assert_array_equal(ids, np.asarray(moe.tid2eid[...])[np.asarray(token_ids).reshape(-1)])
+  expected_load = np.bincount(np.asarray(ids).reshape(-1), minlength=E) / ids.size
+  np.testing.assert_allclose(load, expected_load, rtol=1e-6)
+  # Gradients reach the router (through the combine weights) though the choice is fixed.
+  grads = nnx.grad(lambda m: m(x, token_ids=token_ids)[0].sum())(moe)
+  assert float(jnp.abs(grads.gate.kernel[...]).max()) > 0
+
+
+def test_hash_routing_needs_token_ids_and_no_bias():
+  moe = _moe(selection_bias=False, hash_vocab=4)
+  with pytest.raises(ValueError, match="token_ids of shape"):
+    moe(_x())
+  with pytest.raises(ValueError, match="hash_vocab=4"):
+    _moe(hash_vocab=4)  # selection_bias defaults to True

@@ -7,6 +7,7 @@ The reference runs in the pytest process (8 fake devices, conftest.py); the mult
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,11 +19,16 @@ import pytest
 from configs import glm5_1
 from hyscale_jax import parallel
 from hyscale_jax.parallel import mesh as mesh_lib
-from hyscale_jax.training import lm
+from hyscale_jax.training import file_data, lm
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import launch_local  # noqa: E402
+
+try:
+  from tests.lm_runs import write_jsonl_corpus
+except ImportError:  # tests/ itself is on sys.path
+  from lm_runs import write_jsonl_corpus
 
 _MODEL = dict(
     d_model=32, n_layers=2, first_k_dense=1, dense_inter=32, n_heads=2, q_lora_rank=16, kv_lora_rank=16,
@@ -78,8 +84,107 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_in_one(tmp_path):
   two = tmp_path / "two"
   _assert_close(_losses(two), {1: want[1]})  # process 0 alone wrote the metrics
   assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["1"]
+  # Orbax wrote each chunk once: the processes' databases share no key, and together hold one process's.
+  written = _chunks_by_process(two / "checkpoints" / "1")
+  assert sorted(written) == ["ocdbt.process_0", "ocdbt.process_1"] and all(written.values())
+  assert not written["ocdbt.process_0"] & written["ocdbt.process_1"]
+  assert set.union(*written.values()) == set.union(*_chunks_by_process(tmp_path / "one" / "checkpoints" / "1").values())
   lm.train_and_evaluate(_config(_fields(tmp_path, mesh)), str(two))
   _assert_close(_losses(two), want)
+
+
+def _file_fields(tmp_path, mesh, source="jsonl", **train):
+  """`_fields` on the user's corpus in `tmp_path/corpus` (`write_jsonl_corpus`): its JSONL, or its token file."""
+  fields = _fields(tmp_path, mesh, **train)
+  corpus = tmp_path / "corpus"
+  path = corpus / ("corpus.jsonl" if source == "jsonl" else "corpus.npy")
+  fields["data"] = dict(_DATA, source=source, path=str(path), tokenizer=str(corpus / "tokenizer.json"))
+  return fields
+
+
+def _chunks_by_process(checkpoint):
+  """{`ocdbt.process_<i>`: the array chunk keys that process wrote} of an orbax checkpoint folder."""
+  import tensorstore as ts  # noqa: PLC0415 (orbax's storage layer)
+
+  return {db.name: set(ts.KvStore.open({"driver": "ocdbt", "base": f"file://{db}/"}).result().list().result())
+          for db in (checkpoint / "state").glob("ocdbt.process_*")}
+
+
+def _truncate_all_files(folder):
+  for path in folder.rglob("*"):
+    if path.is_file():
+      path.write_bytes(path.read_bytes()[: max(path.stat().st_size // 2, 1) - 1])
+
+
+def _resume_copy(run, name):
+  """A copy of workdir `run` whose checkpoint 2 does not read: a resume redoes step 2 from checkpoint 1."""
+  copy = run.with_name(name)
+  shutil.copytree(run, copy)
+  _truncate_all_files(copy / "checkpoints" / "2")
+  return copy
+
+
+def test_jsonl_corpus_trains_per_process_and_resumes_bit_for_bit(tmp_path):
+  # 2 x 4 processes straight to step 2 (checkpoints 1, 2); then again from a copy whose step 2 does not
+  # read: process 0 alone moves it aside, both resume from step 1 and redo step 2 exactly.
+  (tmp_path / "corpus").mkdir()
+  write_jsonl_corpus(tmp_path / "corpus")
+  fields = _file_fields(tmp_path, dict(data=2, context=-1))
+  run = tmp_path / "straight"
+  codes, outs = _run(2, 4, _args(fields, run) + ["--verbosity=0"])
+  assert codes == [0, 0], outs
+  for i, out in enumerate(outs):  # data spans the processes: each reads only its own row
+    assert f"process {i} reads rows [{i}] of each global batch of 2" in out, out[-3000:]
+  resumed = _resume_copy(run, "resumed")
+  codes, outs = _run(2, 4, _args(fields, resumed))
+  assert codes == [0, 0], outs
+  assert ["checkpoint step 2 is unreadable" in out for out in outs] == [True, False], outs
+  assert sorted(p.name[:14] for p in (resumed / "checkpoints").iterdir()) == ["1", "2", "2.unreadable-2"]
+  straight, again = _losses(run), _losses(resumed)
+  assert len((resumed / "metrics.jsonl").read_text().splitlines()) == 3  # step 2 logged twice
+  assert again == straight, (again, straight)  # exact float equality
+
+
+@pytest.mark.slow
+def test_token_file_trains_per_process_and_resumes_in_two_and_in_one(tmp_path):
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  docs = write_jsonl_corpus(corpus)
+  tokenizer, eos_id, _ = file_data.load_tokenizer(corpus / "tokenizer.json")
+  ids = [e.ids for e in tokenizer.encode_batch(docs, add_special_tokens=False)]
+  np.save(corpus / "corpus.npy", np.concatenate(ids).astype(np.uint16))
+  np.save(corpus / "corpus.offsets.npy", np.cumsum([0] + [len(i) for i in ids]))
+  # The sequence spans the processes (context 8): each process reads both rows, half of each used.
+  fields = _file_fields(tmp_path, dict(context=-1), source="tokens")
+  fields["data"]["seq_len"] = 64
+  run = tmp_path / "straight"
+  codes, outs = _run(2, 4, _args(fields, run) + ["--verbosity=0"])
+  assert codes == [0, 0], outs
+  assert all(f"process {i} reads rows [0, 1] of each global batch of 2" in out for i, out in enumerate(outs))
+  resumed = _resume_copy(run, "resumed")
+  codes, outs = _run(2, 4, _args(fields, resumed))
+  assert codes == [0, 0], outs
+  assert _losses(resumed) == _losses(run)  # exact float equality
+  in_one = _resume_copy(run, "in_one")
+  lm.train_and_evaluate(_config(fields), str(in_one))
+  _assert_close(_losses(in_one), _losses(run))
+
+
+@pytest.mark.slow
+def test_checkpoints_of_one_and_four_processes_resume_in_four_and_two(tmp_path):
+  mesh = dict(data=2, context=-1)
+  lm.train_and_evaluate(_config(_fields(tmp_path, mesh, steps=3)), str(tmp_path / "straight"))
+  run = tmp_path / "run"
+  lm.train_and_evaluate(_config(_fields(tmp_path, mesh, steps=3, stop_at_step=1)), str(run))
+  codes, outs = _run(4, 2, _args(_fields(tmp_path, mesh, steps=3, stop_at_step=2), run))  # 1 -> 4
+  assert codes == [0] * 4, outs
+  codes, outs = _run(2, 4, _args(_fields(tmp_path, mesh, steps=3), run))  # 4 -> 2
+  assert codes == [0, 0], outs
+  _assert_close(_losses(run), _losses(tmp_path / "straight"))
+  assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["1", "2", "3"]
+  written = _chunks_by_process(run / "checkpoints" / "2")  # by 4 processes: each chunk once
+  assert len(written) == 4 and sum(map(len, written.values())) == len(set.union(*written.values()))
+  assert set.union(*written.values()) == set.union(*_chunks_by_process(run / "checkpoints" / "1").values())
 
 
 # Each axis across processes: data x context (data spans them), fsdp x expert (fsdp spans them, the

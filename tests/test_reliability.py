@@ -83,8 +83,8 @@ def test_no_readable_checkpoint_is_a_clear_error(tmp_path):
 def _nan_at(step):
   original = PackedTextDataset.batch
 
-  def batch(self, index):
-    out = original(self, index)
+  def batch(self, index, rows=None):
+    out = original(self, index, rows)
     if index == step and self.split == "train":
       out["loss_mask"] = out["loss_mask"] * np.float32("nan")
     return out

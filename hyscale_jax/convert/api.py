@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Callable
 
@@ -13,13 +14,14 @@ from flax import nnx
 
 from hyscale_jax import models
 from hyscale_jax.convert import hf_config
-from hyscale_jax.convert.names import TensorRule, constant_tensors, tensor_rules
+from hyscale_jax.convert.names import TensorRule, constant_tensors, mtp_depths_present, tensor_rules
 from hyscale_jax.convert.safetensors_dir import CheckpointReader, CheckpointWriter
-from hyscale_jax.layers.moe import RouterBias
+from hyscale_jax.layers.moe import RouterBias, RoutingTable
 from hyscale_jax.model_config import PROVENANCE_FIELDS, ModelConfig
 
-# What a checkpoint holds: the parameters and the MoE router bias (moved by load, not by gradients).
-CHECKPOINT_VARIABLES = nnx.Any(nnx.Param, RouterBias)
+# What a checkpoint holds: the parameters, the MoE router bias (moved by load, not by gradients) and the
+# hash-routing tables (fixed).
+CHECKPOINT_VARIABLES = nnx.Any(nnx.Param, RouterBias, RoutingTable)
 ShardingSpec = jax.sharding.Sharding | Callable[[tuple, tuple[int, ...]], jax.sharding.Sharding] | None
 
 
@@ -33,7 +35,13 @@ def read_config(directory: str, **overrides) -> ModelConfig:
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path!r} does not exist: not a Hugging Face checkpoint folder.")
   with open(path) as f:
-    return hf_config.from_hf(json.load(f), **overrides)
+    cfg = hf_config.from_hf(json.load(f), **overrides)
+  # transformers builds no MTP layers, so what it saves has the config's MTP count and no MTP tensors.
+  if cfg.mtp_depth and not mtp_depths_present(cfg, CheckpointReader(directory).names()):
+    logging.warning("%s: config.json asks for %d MTP layer(s) but the checkpoint holds no MTP tensors; "
+                    "importing without MTP (model.mtp_depth=0).", directory, cfg.mtp_depth)
+    cfg = dataclasses.replace(cfg, mtp_depth=0)
+  return cfg
 
 
 def _rules(model: nnx.Module) -> tuple[list[TensorRule], dict]:

@@ -1,10 +1,11 @@
 """Hugging Face `config.json` <-> `ModelConfig`, one function pair per architecture.
 
-Fields map one to one. A value we do not implement (YaRN RoPE, hash-routed MoE layers, ...) is an
-error naming the field, never silently dropped: each `*_from_hf` notes every such field in a
-`_Problems` list, and `from_hf` raises one `UnsupportedConfigError` naming them all, before any
-tensor is read. Where transformers departs from DeepSeek's reference, the `ModelConfig` flag that
-carries the choice is set here (`indexer_rope_interleave`, `indexer_rope_first`, ...).
+Fields map one to one. A value we do not implement (a RoPE type other than default and YaRN, a hash-routed
+layer after a score-routed one, ...) is an error naming the field, never silently dropped: each `*_from_hf`
+notes every such field in a `_Problems` list, and `from_hf` raises one `UnsupportedConfigError` naming them
+all, before any tensor is read. Where transformers departs from DeepSeek's reference, the `ModelConfig` flag
+that carries the choice is set here (`indexer_rope_interleave`, `indexer_rope_first`, `indexer_scoring_relu`,
+`indexer_hadamard`).
 
 Import keeps the whole config.json in `ModelConfig.hf_config`; export writes it back with the
 fields we own (what `*_to_hf` returns) updated, so the exported folder keeps every field (e.g.
@@ -24,6 +25,10 @@ from hyscale_jax.model_config import EXECUTION_FIELDS, PROVENANCE_FIELDS, ModelC
 _V4_KINDS = {"sliding_attention": "swa", "compressed_sparse_attention": "csa",
              "heavily_compressed_attention": "hca"}
 _QWEN_KINDS = {"indexed_attention": "qsa", "full_attention": "qsa", "linear_attention": "gated_deltanet"}
+# The MTP layer count's field: DeepSeek's (GLM-5.1 keeps it; transformers' GlmMoeDsaConfig does not
+# declare it) and Qwen3-Next's / Qwen3.5's (transformers' qwen4_exp declares neither).
+MTP_FIELDS = {"glm_moe_dsa": "num_nextn_predict_layers", "deepseek_v4": "num_nextn_predict_layers",
+              "qwen4_exp": "mtp_num_hidden_layers", "qwen4_exp_text": "mtp_num_hidden_layers"}
 
 
 class UnsupportedConfigError(ValueError):
@@ -56,8 +61,50 @@ def _rope_theta(params: dict | None, field: str, problems: _Problems) -> float:
   params = params or {}
   if params.get("rope_type", "default") != "default":
     problems.add(f"{field}.rope_type", params["rope_type"], "is not supported: only 'default' RoPE is implemented "
-                 "(no YaRN scaling)")
+                 "here (YaRN: GLM's RoPE and V4's compressed layers)")
   return float(params.get("rope_theta", 0.0))
+
+
+# transformers' YaRN keys -> our ModelConfig fields (layers/rope.py `YaRN`).
+_YARN_FIELDS = {"factor": "rope_yarn_factor", "original_max_position_embeddings": "rope_yarn_original_max_len",
+                "beta_fast": "rope_yarn_beta_fast", "beta_slow": "rope_yarn_beta_slow", "mscale": "rope_yarn_mscale",
+                "mscale_all_dim": "rope_yarn_mscale_all_dim", "attention_factor": "rope_yarn_attention_factor",
+                "truncate": "rope_yarn_truncate"}
+
+
+def _rope_yarn(params: dict, field: str, problems: _Problems, max_positions: int | None) -> dict:
+  """Our `rope_yarn_*` fields for a `rope_parameters` dict: none for default RoPE, as transformers reads YaRN's."""
+  rope_type = params.get("rope_type", params.get("type", "default"))
+  if rope_type == "default":
+    return {}
+  if rope_type != "yarn":
+    problems.add(f"{field}.rope_type", rope_type, "is not supported: only 'default' and 'yarn' RoPE are implemented")
+    return {}
+  original = params.get("original_max_position_embeddings")
+  factor = params.get("factor") or (max_positions / original if max_positions and original else None)
+  if not original or not factor:
+    problems.add(field, params, "has rope_type='yarn' without original_max_position_embeddings and factor")
+    return {}
+  # transformers: a missing (or 0) beta is 32 / 1; a missing attention_factor is derived from mscale.
+  return dict(rope_yarn_factor=float(factor), rope_yarn_original_max_len=int(original),
+              rope_yarn_beta_fast=float(params.get("beta_fast") or 32), rope_yarn_beta_slow=float(params.get("beta_slow") or 1),
+              rope_yarn_mscale=float(params.get("mscale") or 0), rope_yarn_mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+              rope_yarn_attention_factor=float(params.get("attention_factor") or 0),
+              rope_yarn_truncate=bool(params.get("truncate", True)))
+
+
+def _rope_parameters(cfg: ModelConfig, theta: float, scaled: bool, **extra) -> dict:
+  """transformers' `rope_parameters` for `theta`, with the config's YaRN keys when `scaled` and it has them."""
+  params = {"rope_type": "default", "rope_theta": theta, **extra}
+  if scaled and cfg.rope_yarn_factor:
+    params["rope_type"] = "yarn"
+    for key, name in _YARN_FIELDS.items():
+      value = getattr(cfg, name)
+      # 0 means absent for the mscales and attention_factor; truncate is written only off its default (True).
+      if (key == "truncate" and value) or (not value and key in ("mscale", "mscale_all_dim", "attention_factor")):
+        continue
+      params[key] = value
+  return params
 
 
 def _index_share(indexer_types: list[str], problems: _Problems) -> tuple[int, int]:
@@ -86,7 +133,8 @@ def glm_from_hf(hf: dict, problems: _Problems) -> dict:
   return dict(
       architecture="glm_moe_dsa", vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=n,
       first_k_dense=first_k_dense, dense_inter=hf["intermediate_size"], rms_eps=hf["rms_norm_eps"],
-      rope_theta=_rope_theta(hf.get("rope_parameters"), "rope_parameters", problems),
+      rope_theta=float(hf["rope_parameters"]["rope_theta"]),
+      **_rope_yarn(hf["rope_parameters"], "rope_parameters", problems, hf.get("max_position_embeddings")),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), n_heads=hf["num_attention_heads"],
       q_lora_rank=hf["q_lora_rank"], kv_lora_rank=hf["kv_lora_rank"], qk_nope_dim=hf["qk_nope_head_dim"],
       qk_rope_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], n_routed_experts=hf["n_routed_experts"],
@@ -114,7 +162,7 @@ def glm_to_hf(cfg: ModelConfig) -> dict:
       hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, first_k_dense_replace=cfg.first_k_dense,
       mlp_layer_types=["dense" if not cfg.is_moe(i) else "sparse" for i in range(cfg.n_layers)],
       intermediate_size=cfg.dense_inter, rms_norm_eps=cfg.rms_eps,
-      rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+      rope_parameters=_rope_parameters(cfg, cfg.rope_theta, True),
       tie_word_embeddings=cfg.tie_embeddings, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
       q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_dim,
       qk_rope_head_dim=cfg.qk_rope_dim, v_head_dim=cfg.v_head_dim, n_routed_experts=cfg.n_routed_experts,
@@ -135,20 +183,25 @@ def deepseek_v4_from_hf(hf: dict, problems: _Problems) -> dict:
   ratio = {"swa": 0, "csa": rates["compressed_sparse_attention"], "hca": rates["heavily_compressed_attention"]}
   if ratio["csa"] == ratio["hca"]:
     problems.add("compress_rates", rates, "must differ between CSA and HCA")
-  hash_layers = [i for i, t in enumerate(hf.get("mlp_layer_types") or []) if t != "moe"]
-  if hash_layers:
-    problems.add("mlp_layer_types", hf["mlp_layer_types"], f"is not supported: layers {hash_layers} use "
-                 "hash-routed MoE, which is not implemented; only 'moe' layers are")
+  # transformers: without mlp_layer_types, the first num_hash_layers (default 3) layers are hash-routed.
+  mlp_types = (hf.get("mlp_layer_types") or ["hash_moe"] * hf.get("num_hash_layers", 3) + ["moe"] * n)[:n]
+  n_hash = mlp_types.count("hash_moe")
+  if mlp_types != ["hash_moe"] * n_hash + ["moe"] * (n - n_hash):
+    problems.add("mlp_layer_types", mlp_types, "is not 'hash_moe' layers then 'moe' layers")
   problems.require(hf, "num_key_value_heads", (1,))
   problems.require(hf, "hidden_act", ("silu",))
-  rope = hf["rope_parameters"]
+  rope = _v4_rope_parameters(hf)
   head_dim = hf["head_dim"]
   rope_dim = int(head_dim * hf["partial_rotary_factor"])
   return dict(
       architecture="deepseek_v4", vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=n,
       first_k_dense=0, rms_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       rope_theta=_rope_theta(rope["main"], "rope_parameters.main", problems),
-      compress_rope_theta=_rope_theta(rope["compress"], "rope_parameters.compress", problems),
+      compress_rope_theta=float(rope["compress"]["rope_theta"]),
+      # transformers reads `truncate` from the outer rope_parameters dict, which V4 nests: always True.
+      **dict(_rope_yarn(rope["compress"], "rope_parameters.compress", problems,
+                        hf.get("max_position_embeddings", 1048576)), rope_yarn_truncate=True),
+      n_hash_layers=n_hash,
       n_heads=hf["num_attention_heads"], head_dim=head_dim, qk_rope_dim=rope_dim, q_lora_rank=hf["q_lora_rank"],
       o_groups=hf["o_groups"], o_lora_rank=hf["o_lora_rank"], sliding_window=hf["sliding_window"],
       compress_ratios=tuple(ratio.get(k, 0) for k in kinds), csa_ratio=ratio["csa"],
@@ -162,6 +215,19 @@ def deepseek_v4_from_hf(hf: dict, problems: _Problems) -> dict:
       # transformers' V4 router always renormalises the chosen weights, whatever norm_topk_prob says.
       norm_topk_prob=True, swiglu_limit=float(hf["swiglu_limit"]),
       hc_mult=hf["hc_mult"], hc_sinkhorn_iters=hf["hc_sinkhorn_iters"], hc_eps=hf["hc_eps"])
+
+
+def _v4_rope_parameters(hf: dict) -> dict:
+  """{"main": ..., "compress": ...} as transformers' DeepseekV4Config makes them: a flat `rope_parameters`
+  (or legacy `rope_scaling`) is the compressed layers' scaling, with YaRN's attention_factor forced to 1."""
+  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  if isinstance(rope.get("main"), dict) and isinstance(rope.get("compress"), dict):
+    return rope
+  compress = {**rope, "rope_theta": hf.get("compress_rope_theta", 160000.0)}
+  compress["rope_type"] = compress.pop("type", compress.get("rope_type", "default"))
+  if compress["rope_type"] == "yarn":
+    compress.setdefault("attention_factor", 1.0)
+  return {"main": {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}, "compress": compress}
 
 
 def deepseek_v4_to_hf(cfg: ModelConfig) -> dict:
@@ -182,10 +248,9 @@ def deepseek_v4_to_hf(cfg: ModelConfig) -> dict:
       layer_types=[kinds[cfg.layer_kind(i)] for i in range(cfg.n_layers)],
       compress_rates={"compressed_sparse_attention": cfg.csa_ratio,
                       "heavily_compressed_attention": hca[0] if hca else 128},
-      mlp_layer_types=["moe"] * cfg.n_layers,
-      rope_parameters={"main": {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": prf},
-                       "compress": {"rope_type": "default", "rope_theta": cfg.compress_rope_theta,
-                                    "partial_rotary_factor": prf}},
+      mlp_layer_types=["hash_moe" if cfg.is_hash_moe(i) else "moe" for i in range(cfg.n_layers)],
+      rope_parameters={"main": _rope_parameters(cfg, cfg.rope_theta, False, partial_rotary_factor=prf),
+                       "compress": _rope_parameters(cfg, cfg.compress_rope_theta, True, partial_rotary_factor=prf)},
       rope_theta=cfg.rope_theta, compress_rope_theta=cfg.compress_rope_theta,
       index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk,
       n_routed_experts=cfg.n_routed_experts, num_experts_per_tok=cfg.experts_per_token,
@@ -305,6 +370,7 @@ def from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
   except KeyError as missing:
     problems.add(str(missing.args[0]), None, "is missing from config.json and has no default")
   problems.raise_any()
+  fields["mtp_depth"] = int((hf.get("text_config") or hf).get(MTP_FIELDS[model_type]) or 0)
   dtype = hf.get("dtype") or hf.get("torch_dtype")
   if dtype in ("float32", "bfloat16") and "param_dtype" not in overrides:
     fields["param_dtype"] = dtype
@@ -320,12 +386,15 @@ def defaults(model_type: str) -> dict[str, Any]:
 
 
 def _overlay(base: dict, ours: dict) -> dict:
-  """`base` with `ours` written over it; nested dicts (rope_parameters) merge key by key."""
+  """`base` with `ours` written over it; nested dicts (rope_parameters) merge key by key. A value equal
+  to base's keeps base's spelling (YaRN's `beta_fast: 32` stays an int, not our float 32.0)."""
   merged = dict(base)
   for key, value in ours.items():
     old = merged.get(key)
     if isinstance(value, dict) and isinstance(old, dict):
       merged[key] = _overlay(old, value)
+    elif key in merged and old == value and isinstance(old, bool) == isinstance(value, bool):
+      continue
     elif not (isinstance(old, list) and old and old[0] == value and key == "eos_token_id"):
       merged[key] = value  # (a list of EOS ids whose first is ours stays as it was)
   return merged
@@ -341,6 +410,11 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     raise UnsupportedConfigError(f"no export for model.architecture={cfg.architecture!r}.")
   ours = _TO_HF[cfg.architecture](cfg)
   base = json.loads(cfg.hf_config) if cfg.hf_config else defaults(ours["model_type"])
+  # Depth 0 leaves an imported config's MTP count as it was: transformers saves its count with no MTP
+  # tensors, which imports as depth 0 (`read_config`); a config not imported says 0 where transformers has one.
+  mtp_field = MTP_FIELDS[cfg.architecture]
+  if cfg.mtp_depth or (not cfg.hf_config and mtp_field in base):
+    ours[mtp_field] = cfg.mtp_depth
   return _overlay(base, ours)
 
 

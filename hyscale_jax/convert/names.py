@@ -40,6 +40,7 @@ _RENAMES: dict[str, list[tuple[str, str]]] = {
         (r"^self_attn\.", "attn."),
         (r"\.position_bias$", ".ape"),
         (r"^mlp\.e_score_correction_bias$", "ffn.gate.bias"),
+        (r"^mlp\.tid2eid$", "ffn.gate.tid2eid"),
         (r"^mlp\.shared_experts\.gate_proj\.", "ffn.shared_experts.w1."),
         (r"^mlp\.shared_experts\.up_proj\.", "ffn.shared_experts.w3."),
         (r"^mlp\.shared_experts\.down_proj\.", "ffn.shared_experts.w2."),
@@ -67,6 +68,15 @@ _EXPERTS: dict[str, dict[str, str]] = {
                   "experts_down_proj": "mlp.experts.{e}.down_proj.weight"},
 }
 _LM_HEAD = {"glm_moe_dsa": "lm_head.weight", "deepseek_v4": "head.weight", "qwen4_exp": "lm_head.weight"}
+# An MTP depth's own parts (models/mtp.py) -> the checkpoint's names, under the depth's prefix:
+# GLM-5.1 (DeepSeek-V3 layout) `model.layers.{n_layers + d}.`, DeepSeek-V4 `mtp.{d}.`, Qwen `mtp.`
+# (the block under `mtp.layers.{d}.`). DeepSeek-V4 splits eh_proj into e_proj and h_proj.
+_MTP_PARTS: dict[str, dict[str, str]] = {
+    "glm_moe_dsa": {"norm": "shared_head.norm"},
+    "deepseek_v4": {"hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
+                    "hc_head.hc_scale": "hc_head_scale"},
+    "qwen4_exp": {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc"},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,11 +171,69 @@ def _depthwise_conv_rule(path: Path, name: str) -> TensorRule:
                     lambda a: [np.ascontiguousarray(a.T[:, None])])
 
 
+def _expert_ids(n_experts: int) -> Callable[[Iterator[np.ndarray]], np.ndarray]:
+  """Reads a `tid2eid` table, checking that every entry names one of the n_experts experts."""
+
+  def read(arrays):
+    table = _single(arrays)
+    if table.dtype.kind not in "iu" or table.size and not 0 <= table.min() <= table.max() < n_experts:
+      raise ValueError(f"the hash-routing table (dtype {table.dtype}, shape {table.shape}) must hold expert ids "
+                       f"in [0, {n_experts}), got [{table.min()}, {table.max()}]")
+    return table
+
+  return read
+
+
+def _first_of_copies(name: str, transpose: bool):
+  """to_ours of a tensor the checkpoint also stores as copies: the first, which every copy must equal."""
+
+  def first(arrays):
+    arrays = iter(arrays)
+    value = next(arrays)
+    for i, copy in enumerate(arrays, 1):
+      if copy.shape != value.shape or not np.array_equal(copy, value):
+        raise ValueError(f"copy {i} of {name} (an MTP layer's shared {name}) differs from the model's")
+    return np.ascontiguousarray(value.T) if transpose else value
+
+  return first
+
+
+def _mtp_local(cfg: ModelConfig, path: Path) -> tuple[str, str]:
+  """(checkpoint prefix, local dotted name before the architecture's renames) of an MTP array."""
+  arch, depth, part = cfg.architecture, int(path[1]), path[2]
+  rest = ".".join(map(str, path[3:]))
+  if arch == "qwen4_exp" and depth:
+    raise ValueError(f"qwen4_exp checkpoints hold one MTP layer's fc and norms (mtp.fc, mtp.norm); "
+                     f"model.mtp_depth={cfg.mtp_depth} has no checkpoint layout.")
+  prefix = {"glm_moe_dsa": f"model.layers.{cfg.n_layers + depth}.", "deepseek_v4": f"mtp.{depth}.",
+            "qwen4_exp": "mtp."}[arch]
+  if part == "block":
+    return (f"mtp.layers.{depth}." if arch == "qwen4_exp" else prefix), rest
+  local = f"{part}.{rest}"
+  for ours, theirs in _MTP_PARTS[arch].items():
+    if local == ours or local.startswith(ours + "."):
+      local = theirs + local[len(ours):]
+  return prefix, local
+
+
 def _rule_for(cfg: ModelConfig, path: Path, shape: tuple[int, ...]) -> TensorRule:
   arch = cfg.architecture
+  # GLM-5.1's MTP layers (DeepSeek-V3 layout) also store the embedding and the head.
+  copies = range(cfg.mtp_depth) if arch == "glm_moe_dsa" else ()
   if path == ("lm_head", "kernel"):
-    return TensorRule(path, (_LM_HEAD[arch],), _transpose, lambda a: [a.T])
-  if path[0] == "layers":
+    names = (_LM_HEAD[arch], *(f"model.layers.{cfg.n_layers + d}.shared_head.head.weight" for d in copies))
+    return TensorRule(path, names, _first_of_copies(names[0], True), lambda a: [a.T] * len(names))
+  if path == ("embed_tokens", "embedding") and copies:
+    names = ("model.embed_tokens.weight", *(f"model.layers.{cfg.n_layers + d}.embed_tokens.weight" for d in copies))
+    return TensorRule(path, names, _first_of_copies(names[0], False), lambda a: [a] * len(names))
+  if path[0] == "mtp":
+    prefix, local = _mtp_local(cfg, path)
+    if arch == "deepseek_v4" and local == "eh_proj.kernel":  # [2D, D] <-> e_proj, h_proj [D, D] each
+      d = shape[1]
+      return TensorRule(path, (prefix + "e_proj.weight", prefix + "h_proj.weight"),
+                        lambda a: np.ascontiguousarray(np.concatenate([x.T for x in a], axis=0)),
+                        lambda a: [np.ascontiguousarray(a[:d].T), np.ascontiguousarray(a[d:].T)])
+  elif path[0] == "layers":
     prefix, local = f"model.layers.{path[1]}.", ".".join(map(str, path[2:]))
   else:
     prefix, local = "model.", ".".join(map(str, path))
@@ -187,6 +255,8 @@ def _rule_for(cfg: ModelConfig, path: Path, shape: tuple[int, ...]) -> TensorRul
       return _depthwise_conv_rule(path, prefix + local + ".weight")
     local += ".weight" if local == "linear_attn.norm" else ""
   leaf = local.rsplit(".", 1)[-1]
+  if leaf == "tid2eid":  # the hash-routing table: int32 here, torch's int64 there
+    return TensorRule(path, (prefix + local,), _expert_ids(cfg.n_routed_experts), lambda a: [a.astype(np.int64)])
   if arch == "deepseek_v4" and local.endswith("attn.wo_a"):  # [G, in, o] <-> [G * o, in]
     g, fan_in, rank = shape
     return TensorRule(path, (prefix + local + ".weight",),
@@ -197,6 +267,18 @@ def _rule_for(cfg: ModelConfig, path: Path, shape: tuple[int, ...]) -> TensorRul
   if leaf in ("scale", "embedding"):
     local = local[: -len(leaf)] + "weight"
   return TensorRule(path, (prefix + local,), _single, lambda a: [a])
+
+
+def mtp_depths_present(cfg: ModelConfig, names: set[str]) -> int:
+  """How many MTP depths (0, 1, ... in order) have block tensors among the checkpoint's `names`."""
+  if cfg.architecture not in _RENAMES:
+    raise ValueError(f"no checkpoint layout for model.architecture={cfg.architecture!r}.")
+  prefix = {"glm_moe_dsa": lambda d: f"model.layers.{cfg.n_layers + d}.", "deepseek_v4": lambda d: f"mtp.{d}.",
+            "qwen4_exp": lambda d: f"mtp.layers.{d}."}[cfg.architecture]
+  depth = 0
+  while any(name.startswith(prefix(depth)) for name in names):
+    depth += 1
+  return depth
 
 
 def tensor_rules(cfg: ModelConfig, flat_shapes: dict[Path, tuple[int, ...]]) -> list[TensorRule]:

@@ -13,6 +13,7 @@ from hyscale_jax.layers.compressor import Compressor, rope_tail
 from hyscale_jax.layers.indexer import LightningIndexer
 from hyscale_jax.layers.mla import AttentionOutput
 from hyscale_jax.layers.norms import rms_normalize
+from hyscale_jax.layers.rope import yarn_of
 from hyscale_jax.model_config import ModelConfig
 
 
@@ -73,7 +74,8 @@ class CompressedSparseAttention(nnx.Module):
   - CSA's indexer loss: the teacher is the attention mass on compressed entries under the full
     LSE (window + entries + sink), so `ops.indexer_loss` gets the compressed keys and that LSE.
 
-  SWA layers use `rope_theta`; compressed layers `compress_rope_theta` (no YaRN scaling here).
+  SWA layers use `rope_theta`; compressed layers `compress_rope_theta`, YaRN-scaled when the config
+  has `rope_yarn_factor` (layers/rope.py; V4 keeps its softmax scale head_dim^{-1/2}).
   """
 
   def __init__(self, cfg: ModelConfig, kind: str, ratio: int, *, rngs: nnx.Rngs):
@@ -87,6 +89,7 @@ class CompressedSparseAttention(nnx.Module):
     H, hd, g = cfg.n_heads, cfg.head_dim, cfg.o_groups
     self.cfg, self.kind, self.ratio = cfg, kind, ratio
     self.theta = cfg.rope_theta if kind == "swa" else cfg.compress_rope_theta
+    self.yarn = None if kind == "swa" else yarn_of(cfg)
     self.wq_a = linear(cfg.d_model, cfg.q_lora_rank, (shd.EMBED, shd.Q_LORA))
     self.q_norm = norm(cfg.q_lora_rank)
     self.wq_b = linear(cfg.q_lora_rank, H * hd, (shd.Q_LORA, shd.HEADS))
@@ -99,12 +102,12 @@ class CompressedSparseAttention(nnx.Module):
                            * fan_in**-0.5).astype(pdtype), **shd.param(None, shd.HEADS, None))
     self.wo_b = linear(g * cfg.o_lora_rank, cfg.d_model, (None, shd.EMBED))
     compressor = lambda dim, rope: Compressor(
-        cfg.d_model, dim, ratio, overlap=kind == "csa", rope_dim=rope, rope_theta=self.theta,
+        cfg.d_model, dim, ratio, overlap=kind == "csa", rope_dim=rope, rope_theta=self.theta, rope_yarn=self.yarn,
         rms_eps=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype)
     self.compressor = None if kind == "swa" else compressor(hd, cfg.qk_rope_dim)
     self.indexer = None if kind != "csa" else LightningIndexer(
         cfg.d_model, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
-        rope_dim=cfg.index_rope_dim, rope_theta=self.theta, rope_interleave=True, rope_first=False,
+        rope_dim=cfg.index_rope_dim, rope_theta=self.theta, rope_yarn=self.yarn, rope_interleave=True, rope_first=False,
         hadamard=cfg.indexer_hadamard, key_compressor=compressor(cfg.index_head_dim, cfg.index_rope_dim),
         rngs=rngs, dtype=dtype, param_dtype=pdtype)
 
@@ -116,7 +119,7 @@ class CompressedSparseAttention(nnx.Module):
     """(c_q [B, T, q_lora], q [B, T, H, hd], kv [B, T, hd]), RoPE applied."""
     cfg = self.cfg
     B, T, _ = x.shape
-    rope = lambda y: rope_tail(y, positions, rope_dim=cfg.qk_rope_dim, theta=self.theta)
+    rope = lambda y: rope_tail(y, positions, rope_dim=cfg.qk_rope_dim, theta=self.theta, yarn=self.yarn)
     c_q = self.q_norm(self.wq_a(x))
     q = rms_normalize(self.wq_b(c_q).reshape(B, T, cfg.n_heads, cfg.head_dim), cfg.rms_eps)
     return c_q, rope(q), rope(self.kv_norm(self.wkv(x)))
@@ -182,7 +185,8 @@ class CompressedSparseAttention(nnx.Module):
     cfg = self.cfg
     B, T = out.shape[:2]
     # V carries RoPE: rotate the output's rope slice back to the query's frame.
-    out = rope_tail(out, -positions, rope_dim=cfg.qk_rope_dim, theta=self.theta)
+    # With a YaRN rope_scale this scales the slice once more, as transformers' de-rotation does.
+    out = rope_tail(out, -positions, rope_dim=cfg.qk_rope_dim, theta=self.theta, yarn=self.yarn)
     groups = out.reshape(B, T, cfg.o_groups, -1)
     low_rank = jnp.einsum("btgi,gio->btgo", groups, self.wo_a[...].astype(out.dtype))
     return self.wo_b(low_rank.reshape(B, T, -1))

@@ -8,14 +8,14 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from hyscale_jax import sharding as shd
-from hyscale_jax.layers.rope import apply_rope
+from hyscale_jax.layers.rope import YaRN, apply_rope
 
 
-def rope_tail(x, positions, *, rope_dim: int, theta: float):
-  """Interleaved RoPE on the last `rope_dim` dims of x [B, T, ..., D] (V4's `[nope | rope]` layout)."""
+def rope_tail(x, positions, *, rope_dim: int, theta: float, yarn: YaRN | None = None):
+  """Interleaved RoPE (YaRN-scaled with `yarn`) on the last `rope_dim` dims of x [B, T, ..., D] (V4's `[nope | rope]` layout)."""
   if not rope_dim:
     return x
-  pe = apply_rope(x[..., -rope_dim:], positions, theta=theta, interleaved=True)
+  pe = apply_rope(x[..., -rope_dim:], positions, theta=theta, interleaved=True, yarn=yarn)
   return jnp.concatenate([x[..., :-rope_dim], pe], axis=-1)
 
 
@@ -33,13 +33,13 @@ class Compressor(nnx.Module):
   """
 
   def __init__(self, d_model: int, dim: int, ratio: int, *, overlap: bool, rope_dim: int,
-               rope_theta: float, rms_eps: float = 1e-6, rngs: nnx.Rngs,
+               rope_theta: float, rope_yarn: YaRN | None = None, rms_eps: float = 1e-6, rngs: nnx.Rngs,
                dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32):
     if ratio < 1 or not 0 <= rope_dim <= dim:
       raise ValueError(f"Compressor: {ratio=} must be >= 1 and {rope_dim=} in [0, {dim=}].")
     width = 2 * dim if overlap else dim
     self.dim, self.ratio, self.overlap = dim, ratio, overlap
-    self.rope_dim, self.rope_theta = rope_dim, rope_theta
+    self.rope_dim, self.rope_theta, self.rope_yarn = rope_dim, rope_theta, rope_yarn
     linear = lambda: nnx.Linear(d_model, width, use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                                 kernel_metadata=shd.param(shd.EMBED, None))
     self.wkv, self.wgate = linear(), linear()
@@ -71,4 +71,4 @@ class Compressor(nnx.Module):
     pooled = jnp.sum(jax.nn.softmax(gates, axis=2) * values, axis=2)  # [B, S, c]
     entries = self.norm(pooled.astype(x.dtype))
     first_position = windows(positions)[:, :, -1] - (m - 1)
-    return rope_tail(entries, first_position, rope_dim=self.rope_dim, theta=self.rope_theta), entry_seg
+    return rope_tail(entries, first_position, rope_dim=self.rope_dim, theta=self.rope_theta, yarn=self.rope_yarn), entry_seg

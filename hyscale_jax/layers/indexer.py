@@ -9,7 +9,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from hyscale_jax import sharding as shd
-from hyscale_jax.layers.rope import apply_rope
+from hyscale_jax.layers.rope import YaRN, apply_rope
 
 
 def hadamard_matrix(n: int) -> np.ndarray:
@@ -51,6 +51,7 @@ class LightningIndexer(nnx.Module):
       *,
       rope_dim: int = 0,
       rope_theta: float = 10000.0,
+      rope_yarn: YaRN | None = None,
       rope_interleave: bool = False,
       rope_first: bool = True,
       scoring_relu: bool = True,
@@ -66,6 +67,7 @@ class LightningIndexer(nnx.Module):
       hadamard_matrix(head_dim)  # validates the size now rather than at the first call
     self.num_heads, self.head_dim, self.rope_dim = num_heads, head_dim, rope_dim
     self.rope_theta, self.rope_interleave, self.rope_first = rope_theta, rope_interleave, rope_first
+    self.rope_yarn = rope_yarn
     self.scoring_relu, self.hadamard = scoring_relu, hadamard
     linear = lambda i, o, axes, **kw: nnx.Linear(i, o, use_bias=False, rngs=rngs, kernel_metadata=shd.param(*axes),
                                                  **kw)
@@ -89,7 +91,7 @@ class LightningIndexer(nnx.Module):
       return x
     r = self.rope_dim
     pe, nope = (x[..., :r], x[..., r:]) if self.rope_first else (x[..., -r:], x[..., :-r])
-    pe = apply_rope(pe, positions, theta=self.rope_theta, interleaved=self.rope_interleave)
+    pe = apply_rope(pe, positions, theta=self.rope_theta, interleaved=self.rope_interleave, yarn=self.rope_yarn)
     return jnp.concatenate([pe, nope] if self.rope_first else [nope, pe], axis=-1)
 
   def queries(

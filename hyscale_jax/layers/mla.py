@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, Int
 from hyscale_jax import ops, remat
 from hyscale_jax import sharding as shd
 from hyscale_jax.layers.indexer import LightningIndexer
-from hyscale_jax.layers.rope import apply_rope
+from hyscale_jax.layers.rope import apply_rope, yarn_of
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.ops import _streaming as st
 
@@ -45,6 +45,7 @@ class MLASparseAttention(nnx.Module):
                                  scale_metadata=shd.param(shd.NORM))
     H, qk = cfg.n_heads, cfg.qk_nope_dim + cfg.qk_rope_dim
     self.cfg = cfg
+    self.yarn = yarn_of(cfg)  # None without YaRN
     self.q_a_proj = linear(cfg.d_model, cfg.q_lora_rank, (shd.EMBED, shd.Q_LORA))
     self.q_a_layernorm = norm(cfg.q_lora_rank)
     self.q_b_proj = linear(cfg.q_lora_rank, H * qk, (shd.Q_LORA, shd.HEADS))
@@ -55,10 +56,15 @@ class MLASparseAttention(nnx.Module):
     self.o_proj = linear(H * cfg.v_head_dim, cfg.d_model, (shd.HEADS, shd.EMBED))
     self.indexer = LightningIndexer(
         cfg.d_model, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
-        rope_dim=cfg.index_rope_dim, rope_theta=cfg.rope_theta,
+        rope_dim=cfg.index_rope_dim, rope_theta=cfg.rope_theta, rope_yarn=self.yarn,
         rope_interleave=cfg.indexer_rope_interleave, rope_first=cfg.indexer_rope_first,
         scoring_relu=cfg.indexer_scoring_relu, hadamard=cfg.indexer_hadamard,
         rngs=rngs, dtype=dtype, param_dtype=pdtype) if has_indexer else None
+
+  @property
+  def scale(self) -> float:
+    """The softmax scale: `cfg.attention_scale` times YaRN's `softmax_scale` (mscale_all_dim^2, V3 convention)."""
+    return self.cfg.attention_scale * (self.yarn.softmax_scale if self.yarn is not None else 1.0)
 
   def _absorption(self):
     """W_UK [L, H, qk_nope] and W_UV [L, H, v_head_dim], the two halves of kv_b_proj."""
@@ -74,14 +80,15 @@ class MLASparseAttention(nnx.Module):
     nope = cfg.qk_nope_dim
     c_q = self.q_a_layernorm(self.q_a_proj(x))  # [B, T, q_lora]
     q = self.q_b_proj(c_q).reshape(B, T, cfg.n_heads, nope + cfg.qk_rope_dim)
-    return q[..., :nope], apply_rope(q[..., nope:], positions, theta=cfg.rope_theta, interleaved=True), c_q
+    return q[..., :nope], apply_rope(q[..., nope:], positions, theta=cfg.rope_theta, interleaved=True,
+                                                yarn=self.yarn), c_q
 
   def _latent_keys(self, x, positions):
     """The shared latent c_kv [B, T, L] and roped k_pe [B, T, R] of all T rows."""
     L = self.cfg.kv_lora_rank
     kv = self.kv_a_proj_with_mqa(x)  # [B, T, L + R]
     return self.kv_a_layernorm(kv[..., :L]), apply_rope(kv[..., L:], positions, theta=self.cfg.rope_theta,
-                                                          interleaved=True)
+                                                          interleaved=True, yarn=self.yarn)
 
   def _mqa_queries(self, x, positions, w_uk):
     """Absorbed q [B, t, H, L+R] and latent c_q [B, t, q_lora] of query rows x [B, t, D] (row-local)."""
@@ -157,7 +164,7 @@ class MLASparseAttention(nnx.Module):
     """
     cfg = self.cfg
     B, T, _ = x.shape
-    scale = cfg.attention_scale
+    scale = self.scale
     backend = lambda name: getattr(backends, name, "auto") if backends is not None else "auto"
     if dense:
       q, k, v, c_q = self._dense_inputs(x, positions)

@@ -1,4 +1,4 @@
-"""DeepSeek-style MoE: noaux_tc top-k routing, `ops.grouped_matmul` experts, shared experts."""
+"""DeepSeek-style MoE: noaux_tc top-k (or DeepSeek-V4 hash) routing, `ops.grouped_matmul` experts, shared experts."""
 
 from __future__ import annotations
 
@@ -27,6 +27,19 @@ class RouterBias(nnx.Variable):
   """
 
 
+class RoutingTable(nnx.Variable):
+  """DeepSeek-V4's hash-routing table `tid2eid`: i32[vocab, k], the experts of each token id.
+
+  Fixed: not an `nnx.Param` (no gradient, no optimiser) and not moved by `update_router_bias`;
+  it comes from the checkpoint (or `hash_routing_table` at initialisation).
+  """
+
+
+def hash_routing_table(key: jax.Array, vocab: int, n_experts: int, k: int) -> Int[Array, "V K"]:
+  """i32[vocab, k]: k distinct experts per token id, uniformly at random (a fresh model's table)."""
+  return jax.lax.top_k(jax.random.uniform(key, (vocab, n_experts)), k)[1].astype(jnp.int32)
+
+
 def _scores(logits: Float[Array, "N E"], scoring: str) -> Float[Array, "N E"]:
   """Per-expert affinities from f32 router logits."""
   if scoring == "sigmoid":
@@ -53,6 +66,11 @@ class MoE(nnx.Module):
   `experts_down_proj` [E, F, D]) and run as grouped matmuls (`ops.grouped_matmul`, whose backward is
   grouped matmuls too) over expert-sorted token copies, so time and memory are O(N * k) rows x width,
   never O(N * E).
+
+  Hash routing (DeepSeek-V4's first MoE layers, `hash_vocab` > 0): the experts of a token are the
+  fixed row `tid2eid[token_id]` (a `RoutingTable`), whatever its hidden state; the combine weights
+  are the router's scores of those experts, renormalised (`norm_topk_prob`) and scaled, as above.
+  There is no selection bias, and groups do not apply.
   """
 
   def __init__(
@@ -72,6 +90,7 @@ class MoE(nnx.Module):
       shared_expert_gate: bool = False,
       selection_bias: bool = True,
       token_chunk: int = 0,
+      hash_vocab: int = 0,
       rngs: nnx.Rngs,
       dtype: jnp.dtype = jnp.float32,
       param_dtype: jnp.dtype = jnp.float32,
@@ -98,6 +117,8 @@ class MoE(nnx.Module):
       token_chunk: run the routed experts over this many tokens at a time, each chunk rematerialized
         (memory O(token_chunk * k) rows instead of O(N * k)); 0 for all at once. Without an `expert`
         mesh axis only; it must divide the tokens it sees when there are more.
+      hash_vocab: route by a `tid2eid` table of this many token ids (`__call__` then needs
+        `token_ids`); 0 routes by score. Needs `selection_bias=False` and `n_group=1`.
       rngs: supplies the `params` stream.
       dtype: compute dtype of the expert matmuls (they accumulate in f32).
       param_dtype: storage dtype of the expert weights; the router is always f32.
@@ -120,6 +141,9 @@ class MoE(nnx.Module):
       )
     if n_shared_experts < 0:
       raise ValueError(f"{n_shared_experts=} must be >= 0.")
+    if hash_vocab < 0 or (hash_vocab and (selection_bias or n_group > 1)):
+      raise ValueError(f"{hash_vocab=} must be >= 0; hash routing has no selection bias and no groups "
+                       f"(got {selection_bias=}, {n_group=}).")
     if shared_expert_gate and not n_shared_experts:
       raise ValueError(f"{shared_expert_gate=} needs shared experts, got {n_shared_experts=}.")
     self.experts_per_token = experts_per_token
@@ -133,6 +157,8 @@ class MoE(nnx.Module):
         kernel_metadata=shd.param(shd.EMBED, None),
     )
     self.e_score_correction_bias = RouterBias(jnp.zeros((E,), jnp.float32)) if selection_bias else None
+    self.tid2eid = RoutingTable(hash_routing_table(rngs.params(), hash_vocab, E, experts_per_token)) \
+        if hash_vocab else None
     in_axes, out_axes = shd.param(shd.EXP, shd.EMBED, shd.MLP), shd.param(shd.EXP, shd.MLP, shd.EMBED)
     self.experts_gate_proj = nnx.Param(_init_experts(rngs.params(), (E, D, F), param_dtype), **in_axes)
     self.experts_up_proj = nnx.Param(_init_experts(rngs.params(), (E, D, F), param_dtype), **in_axes)
@@ -152,16 +178,26 @@ class MoE(nnx.Module):
     """E, read from the stacked expert weights."""
     return self.experts_gate_proj.shape[0]
 
-  def route(self, x: Float[Array, "N D"]) -> tuple[Int[Array, "N K"], Float[Array, "N K"]]:
+  def route(self, x: Float[Array, "N D"], token_ids: Int[Array, "N"] | None = None,
+            ) -> tuple[Int[Array, "N K"], Float[Array, "N K"]]:
     """Chooses k experts per token and their combine weights.
 
     Args:
       x: bf16|f32[N, D] flattened tokens; upcast to f32 for the router.
+      token_ids: i32[N] the tokens' ids; required by (and only used for) hash routing.
 
     Returns:
       (expert_ids int32[N, K], weights f32[N, K]); the weights use the unbiased scores.
+
+    Raises:
+      ValueError: a hash-routed layer gets no `token_ids`, or ids of the wrong shape.
     """
     scores = _scores(self.gate(x.astype(jnp.float32)), self.scoring)  # [N, E]
+    if self.tid2eid is not None:
+      if token_ids is None or token_ids.shape != x.shape[:1]:
+        raise ValueError(f"hash-routed MoE needs token_ids of shape {x.shape[:1]}, got "
+                         f"{None if token_ids is None else token_ids.shape}.")
+      return self._combine(scores, self.tid2eid[...][token_ids])
     choice = scores  # [N, E], used only for selection
     if self.e_score_correction_bias is not None:
       choice = scores + self.e_score_correction_bias[...]
@@ -175,16 +211,22 @@ class MoE(nnx.Module):
       # -inf, not HF's 0.0: a negative bias could otherwise let a masked expert win.
       choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(N, E)
     _, expert_ids = jax.lax.top_k(choice, self.experts_per_token)  # [N, K]
+    return self._combine(scores, expert_ids)
+
+  def _combine(self, scores, expert_ids):
+    """(expert_ids, combine weights f32[N, K]): the chosen experts' scores, renormalised and scaled."""
     weights = jnp.take_along_axis(scores, expert_ids, axis=-1)  # [N, K]
     if self.norm_topk_prob:
       weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return expert_ids, weights * self.routed_scaling
 
-  def __call__(self, x: Float[Array, "B T D"], *, backends=None) -> tuple[Float[Array, "B T D"], Float[Array, "E"]]:
+  def __call__(self, x: Float[Array, "B T D"], *, token_ids: Int[Array, "B T"] | None = None,
+               backends=None) -> tuple[Float[Array, "B T D"], Float[Array, "E"]]:
     """Routes each token to k experts, runs them as grouped matmuls, adds the shared experts.
 
     Args:
       x: bf16|f32[B, T, D].
+      token_ids: i32[B, T] the input token ids; needed by hash routing, ignored otherwise.
       backends: an object whose `grouped_matmul` names the op's backend (`config.ops`); None or a
         missing attribute means "auto".
 
@@ -197,7 +239,8 @@ class MoE(nnx.Module):
     B, T, D = x.shape
     K, E = self.experts_per_token, self.n_routed_experts
     flat = x.reshape(B * T, D)  # [N, D]
-    expert_ids, weights = self.route(flat)  # [N, K], [N, K]
+    flat_ids = None if token_ids is None or self.tid2eid is None else token_ids.reshape(-1)
+    expert_ids, weights = self.route(flat, flat_ids)  # [N, K], [N, K]
     experts = (self.experts_gate_proj[...], self.experts_up_proj[...], self.experts_down_proj[...])
     grouped = functools.partial(self._grouped_swiglu, backend=getattr(backends, "grouped_matmul", "auto"))
     mesh = expert_parallel.expert_mesh()

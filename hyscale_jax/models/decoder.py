@@ -16,6 +16,7 @@ from hyscale_jax.layers.lm_head import Head, chunked_lm_loss
 from hyscale_jax.layers.mlp import MLP
 from hyscale_jax.layers.moe import MoE
 from hyscale_jax.model_config import ModelConfig
+from hyscale_jax.models.mtp import MTPLayer, depth_targets, shift_left
 
 
 class ModelOutput(NamedTuple):
@@ -89,25 +90,29 @@ class DecoderLayer(nnx.Module):
                      cfg.n_shared_experts, scoring=cfg.scoring, routed_scaling=cfg.routed_scaling,
                      norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group, topk_group=cfg.topk_group,
                      swiglu_limit=cfg.swiglu_limit, shared_expert_gate=cfg.shared_expert_gate,
-                     selection_bias=cfg.router_bias, token_chunk=cfg.moe_token_chunk, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+                     selection_bias=cfg.router_bias and not cfg.is_hash_moe(layer), token_chunk=cfg.moe_token_chunk,
+                     hash_vocab=cfg.vocab_size if cfg.is_hash_moe(layer) else 0, rngs=rngs, dtype=dtype,
+                     param_dtype=pdtype)
     else:
       self.mlp = MLP(cfg.d_model, cfg.dense_inter, swiglu_limit=cfg.swiglu_limit, rngs=rngs, dtype=dtype,
                      param_dtype=pdtype)
 
-  def __call__(self, x, positions, segment_ids, *, dense=False, shared_indices=None, backends=None, tokens=None):
+  def __call__(self, x, positions, segment_ids, *, dense=False, shared_indices=None, backends=None, token_ids=None):
     """x [B, T, D] (or streams [B, T, N, D]) -> (x like the input, indices or None, indexer_loss or None,
-    expert_load f32[E] or None). `tokens` i32[B, T]: the input token ids (read by `ple` only)."""
+    expert_load f32[E] or None). `token_ids` i32[B, T]: the input tokens, read by hash-routed MoE layers
+    and `ple`."""
     prenorm = lambda norm, h: h if norm is None else norm(h)
     if self.ple is not None:
-      if tokens is None:
-        raise ValueError("DecoderLayer: this layer has an n-gram embedding (`ple`) and needs tokens=i32[B, T].")
-      x = x + self.ple(x, tokens, segment_ids)
+      if token_ids is None:
+        raise ValueError("DecoderLayer: this layer has an n-gram embedding (`ple`) and needs token_ids=i32[B, T].")
+      x = x + self.ple(x, token_ids, segment_ids)
     h, mix = _enter(self.attn_hc, x)
     attn = self.self_attn(prenorm(self.input_layernorm, h), positions, segment_ids, dense=dense,
                           shared_indices=shared_indices, backends=backends)
     x = _leave(self.attn_hc, x, attn.out, mix)
     h, mix = _enter(self.mlp_hc, x)
-    ffn = self.mlp(prenorm(self.post_attention_layernorm, h), backends=backends)
+    moe_args = {"token_ids": token_ids} if isinstance(self.mlp, MoE) else {}
+    ffn = self.mlp(prenorm(self.post_attention_layernorm, h), backends=backends, **moe_args)
     ffn, load = ffn if isinstance(ffn, tuple) else (ffn, None)
     return _leave(self.mlp_hc, x, ffn, mix), attn.indices, attn.indexer_loss, load
 
@@ -140,6 +145,27 @@ class Decoder(nnx.Module):
     """Layer `layer`'s token-id embedding added to its input (`DecoderLayer.ple`), or None (the default)."""
     return None
 
+  # MTP (models/mtp.py): whether a depth takes the previous stage's residual streams (DeepSeek-V4)
+  # rather than its normalised hidden state.
+  mtp_takes_streams = False
+
+  def make_mtp_attention(self, cfg: ModelConfig, depth: int, rngs: nnx.Rngs) -> nnx.Module:
+    """The attention of MTP depth `depth`'s block (layer n_layers + depth)."""
+    return self.make_attention(cfg, cfg.n_layers + depth, rngs)
+
+  def make_mtp_norm(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """One RMSNorm of an MTP depth (`enorm`, `hnorm`, `norm`)."""
+    return nnx.RMSNorm(cfg.d_model, epsilon=cfg.rms_eps, rngs=rngs, param_dtype=jnp.dtype(cfg.param_dtype),
+                       scale_metadata=shd.param(shd.NORM))
+
+  def _make_mtp_layer(self, cfg: ModelConfig, depth: int, rngs: nnx.Rngs) -> MTPLayer:
+    connection = lambda: self.make_hyper_connection(cfg, rngs) if cfg.hc_mult else None
+    block = DecoderLayer(cfg, cfg.n_layers + depth, self.make_mtp_attention(cfg, depth, rngs), rngs=rngs,
+                         attn_hc=connection(), mlp_hc=connection())
+    return MTPLayer(cfg, block, make_norm=lambda: self.make_mtp_norm(cfg, rngs),
+                    stream_head=self.make_stream_head(cfg, rngs) if cfg.hc_mult else None,
+                    streams_in=self.mtp_takes_streams and cfg.hc_mult > 0, rngs=rngs)
+
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     pdtype = jnp.dtype(cfg.param_dtype)
@@ -156,6 +182,9 @@ class Decoder(nnx.Module):
     self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
         cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs, param_dtype=pdtype,
         kernel_metadata=shd.param(shd.EMBED, shd.VOCAB))
+    # After the main layers, outside their scans; built last so the main model's random init is the
+    # same with or without MTP.
+    self.mtp = nnx.List([self._make_mtp_layer(cfg, d, rngs) for d in range(cfg.mtp_depth)]) if cfg.mtp_depth else None
 
   def layer_runs(self, graphs=None) -> list[tuple[int, int, int, int]]:
     """How `_run_layers` walks the layers: (start, period, repeats, direct) per run, in order.
@@ -187,8 +216,10 @@ class Decoder(nnx.Module):
             for start, period, repeats, direct in self.layer_runs() if repeats > direct
             for j in range(period)]
 
-  def _run_layers(self, x, positions, segment_ids, activation_axes, *, dense, backends, tokens=None):
-    """The layer stack: x [B, T, D] (or streams [B, T, N, D]) -> (x, indexer losses, expert loads).
+  def _run_layers(self, x, positions, segment_ids, activation_axes, *, dense, backends, token_ids=None):
+    """The layer stack: x [B, T, D] (or streams [B, T, N, D]) -> (x, indexer losses, expert loads);
+    `token_ids` i32[B, T] reach every layer: hash-routed MoE layers choose their experts by them, n-gram
+    embeddings (`ple`) hash them.
 
     The losses (f32[] each) and loads (f32[E] each) are per-layer lists in layer order. Each layer
     runs under `jax.checkpoint` with the config's remat policy. IndexShare: a layer without its own
@@ -205,16 +236,12 @@ class Decoder(nnx.Module):
     `scanned_layer_groups()` stacked instead (training/layer_stacks.py): the stacking here then
     folds into the stored arrays, and neither copy nor slices remain.
     """
-    policy = self.cfg.remat_policy
-    def run_layer(graphdef, state, x, positions, segment_ids, shared_indices, tokens):
+    def run_layer(graphdef, state, x, positions, segment_ids, shared_indices, token_ids):
       layer = nnx.merge(graphdef, state)  # a pure function of the layer's state, for jax.checkpoint
       return layer(x, positions, segment_ids, dense=dense, shared_indices=shared_indices, backends=backends,
-                   tokens=tokens)
+                   token_ids=token_ids)
 
-    if policy != "none":
-      T = x.shape[1]
-      jax_policy = remat.checkpoint_policy(policy, save_attention=dense or self.cfg.saves_attention(T))
-      run_layer = jax.checkpoint(run_layer, policy=jax_policy, static_argnums=0)
+    run_layer = self._remat(run_layer, x.shape[1], dense)
 
     def run_block(graphdefs, owns_indexer, x, indices, states):
       """Consecutive layers: (x, indices, their indexer losses, their expert loads)."""
@@ -223,7 +250,8 @@ class Decoder(nnx.Module):
         # Between layers the activations are split over batch and sequence, whole in D: FSDP gathers
         # the weights rather than splitting the activations' width.
         x = shd.shard(x, activation_axes)
-        x, layer_indices, indexer_loss, load = run_layer(graphdef, state, x, positions, segment_ids, indices, tokens)
+        x, layer_indices, indexer_loss, load = run_layer(graphdef, state, x, positions, segment_ids, indices,
+                                                         token_ids)
         if owns:
           indices = layer_indices
         losses += [] if indexer_loss is None else [indexer_loss]
@@ -258,6 +286,30 @@ class Decoder(nnx.Module):
       loads += list(jnp.stack(scan_loads, 1).reshape(-1, scan_loads[0].shape[-1])) if scan_loads else []
     return x, indexer_losses, loads
 
+  def _remat(self, run, T: int, dense: bool):
+    """`run(graphdef, state, *arrays)` under jax.checkpoint with the config's remat policy."""
+    policy = self.cfg.remat_policy
+    if policy == "none":
+      return run
+    jax_policy = remat.checkpoint_policy(policy, save_attention=dense or self.cfg.saves_attention(T))
+    return jax.checkpoint(run, policy=jax_policy, static_argnums=0)
+
+  def _run_mtp(self, prev, mtp_tokens, positions, segment_ids, *, dense, backends):
+    """The MTP depths in order: (h [B, T, D] per depth, their indexer losses, their expert loads)."""
+    def run_depth(graphdef, state, prev, embedded, positions, segment_ids):
+      return nnx.merge(graphdef, state)(prev, embedded, positions, segment_ids, dense=dense, backends=backends)
+
+    run_depth = self._remat(run_depth, prev.shape[1], dense)
+    hidden, losses, loads = [], [], []
+    for depth, layer in enumerate(self.mtp):
+      graphdef, state = nnx.split(layer)
+      embedded = self.embed_tokens(shift_left(mtp_tokens, depth))
+      prev, h, indexer_loss, load = run_depth(graphdef, state, prev, embedded, positions, segment_ids)
+      hidden.append(h)
+      losses += [] if indexer_loss is None else [indexer_loss]
+      loads += [] if load is None else [load]
+    return hidden, losses, loads
+
   def hidden_states(
       self,
       tokens: Int[Array, "B T"],
@@ -266,6 +318,7 @@ class Decoder(nnx.Module):
       segment_ids: Int[Array, "B T"] | None = None,
       dense: bool = False,
       backends=None,
+      mtp_tokens: Int[Array, "B T"] | None = None,
   ) -> tuple[jax.Array, dict]:
     """The final hidden states for int32 tokens [B, T] (the LM head's input); `dense=True` is the
     warm-up stage (no sparsification).
@@ -276,9 +329,14 @@ class Decoder(nnx.Module):
       segment_ids: i32[B, T] packed-document ids (default one document per row).
       dense: dense attention and dense indexer KL instead of selection + sparse attention.
       backends: per-op backend names (`config.ops`); None means "auto" everywhere.
+      mtp_tokens: i32[B, T] the next tokens (tok[t + 1], training's `targets`): also run the MTP
+        depths (when `cfg.mtp_depth` > 0), depth d embedding mtp_tokens[t + d].
 
     Returns:
-      (h [B, T, D] after the final collapse and norm, aux={"indexer_loss": f32[], "expert_load": f32[n_moe, E]}).
+      (h [B, T, D] after the final collapse and norm, aux={"indexer_loss": f32[], "expert_load":
+      f32[n_moe, E]}). With `mtp_tokens`, aux["mtp_hidden"] holds each depth's h [B, T, D] (for
+      `mtp_loss` or `logits`), and the MTP blocks' indexer losses and expert loads (last) are in
+      the mean and the stack.
     """
     B, T = tokens.shape
     if positions is None:
@@ -291,12 +349,19 @@ class Decoder(nnx.Module):
     if self.hc_head is not None:
       x, activation_axes = expand_streams(x, self.cfg.hc_mult), (shd.BATCH, shd.LENGTH, None, shd.ACT_EMBED)
     x, indexer_losses, loads = self._run_layers(x, positions, segment_ids, activation_axes, dense=dense,
-                                                backends=backends, tokens=tokens)
+                                                backends=backends, token_ids=tokens)
+    streams = x
     if self.hc_head is not None:
       x = self.hc_head(x)
     if self.norm is not None:
       x = self.norm(x)
-    aux = {"indexer_loss": jnp.mean(jnp.stack(indexer_losses)) if indexer_losses else jnp.float32(0)}
+    aux = {}
+    if mtp_tokens is not None and self.mtp is not None:
+      prev = streams if self.mtp[0].streams_in else x
+      aux["mtp_hidden"], mtp_losses, mtp_loads = self._run_mtp(prev, mtp_tokens, positions, segment_ids,
+                                                               dense=dense, backends=backends)
+      indexer_losses, loads = indexer_losses + mtp_losses, loads + mtp_loads
+    aux["indexer_loss"] = jnp.mean(jnp.stack(indexer_losses)) if indexer_losses else jnp.float32(0)
     if loads:
       aux["expert_load"] = jnp.stack(loads)
     return x, aux
@@ -335,3 +400,19 @@ class Decoder(nnx.Module):
     head, params = self._head()
     return chunked_lm_loss(head, params, h, targets, loss_mask, chunk=self.cfg.lm_loss_chunk)
 
+  def mtp_loss(self, mtp_hidden, targets: Int[Array, "B T"], loss_mask: jax.Array) -> jax.Array:
+    """f32[] mean over the MTP depths of their cross-entropies (`depth_targets`), chunked as `lm_loss`.
+
+    Args:
+      mtp_hidden: aux["mtp_hidden"] of `hidden_states(..., mtp_tokens=targets)`: h [B, T, D] per depth.
+      targets: i32[B, T] next-token ids; loss_mask: f32[B, T] (as for `lm_loss`).
+    """
+    if not mtp_hidden:
+      raise ValueError("mtp_loss needs the hidden states of at least one MTP depth (model.mtp_depth > 0 and "
+                       "hidden_states(..., mtp_tokens=targets)).")
+    head, params = self._head()
+    losses = []
+    for depth, h in enumerate(mtp_hidden):
+      _, depth_target, mask = depth_targets(targets, loss_mask, depth)
+      losses.append(chunked_lm_loss(head, params, h, depth_target, mask, chunk=self.cfg.lm_loss_chunk))
+    return jnp.mean(jnp.stack(losses))

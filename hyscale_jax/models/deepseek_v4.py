@@ -14,10 +14,17 @@ class DeepseekV4(Decoder):
   """The DeepSeek-V4 language model; layer i's kind comes from `compress_ratios[i]`.
 
   With `hc_mult` > 0 the residual is mHC streams (`ManifoldHyperConnection` around each block,
-  `ManifoldHyperHead` before the final norm). Not implemented (README feature table): hash routing
-  of the first MoE layers (all layers route by score), MTP, and YaRN scaling of the compressed
-  layers' RoPE.
+  `ManifoldHyperHead` before the final norm). The first `n_hash_layers` MoE layers route by the
+  token table `tid2eid` (hash routing; the decoder passes them the token ids), and the compressed
+  layers' RoPE is YaRN-scaled when the config sets `rope_yarn_factor`. MTP depths (models/mtp.py)
+  take the mHC streams and are sliding-window layers (the published `compress_ratios` end with a 0
+  for the MTP layer).
   """
+
+  mtp_takes_streams = True
+
+  def make_mtp_attention(self, cfg: ModelConfig, depth: int, rngs: nnx.Rngs) -> nnx.Module:
+    return CompressedSparseAttention(cfg, "swa", 0, rngs=rngs)
 
   def make_attention(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
     return CompressedSparseAttention(cfg, cfg.layer_kind(layer), cfg.compress_ratios[layer], rngs=rngs)

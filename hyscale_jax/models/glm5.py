@@ -14,3 +14,7 @@ class GlmMoeDsa(Decoder):
 
   def make_attention(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
     return MLASparseAttention(cfg, has_indexer=cfg.has_indexer(layer), rngs=rngs)
+
+  def make_mtp_attention(self, cfg: ModelConfig, depth: int, rngs: nnx.Rngs) -> nnx.Module:
+    # The MTP block selects for itself: it runs after the main stack, with no IndexShare neighbour.
+    return MLASparseAttention(cfg, has_indexer=True, rngs=rngs)

@@ -8,6 +8,7 @@ from flax import nnx
 from hyscale_jax.layers.engram import EngramLayer
 from hyscale_jax.layers.gated_deltanet import GatedDeltaNet
 from hyscale_jax.layers.hyper_connections import GatedResidual
+from hyscale_jax.layers.norms import ZeroCenteredRMSNorm
 from hyscale_jax.layers.qsa import QSAAttention
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.models.decoder import Decoder
@@ -22,8 +23,15 @@ class Qwen4Exp(Decoder):
   "gated_deltanet" layer's (3 of every 4 in the published model) `GatedDeltaNet`. The layers in
   `ple_layer_ids` (one-indexed; layer 2 in the published model) first add their Engram n-gram
   embedding (`EngramLayer`) to the streams. MRoPE is 1-D RoPE here: for text its three position
-  axes are equal, and then it reduces to 1-D RoPE. Not implemented (README feature table): MTP.
+  axes are equal, and then it reduces to 1-D RoPE. An MTP depth (models/mtp.py) is a "qsa" layer
+  with zero-centred norms, as Qwen3-Next's.
   """
+
+  def make_mtp_attention(self, cfg: ModelConfig, depth: int, rngs: nnx.Rngs) -> nnx.Module:
+    return QSAAttention(cfg, rngs=rngs)
+
+  def make_mtp_norm(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    return ZeroCenteredRMSNorm(cfg.d_model, eps=cfg.rms_eps, param_dtype=jnp.dtype(cfg.param_dtype))
 
   def make_attention(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
     if cfg.layer_types[layer] == "gated_deltanet":

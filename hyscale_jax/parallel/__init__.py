@@ -2,6 +2,7 @@
 
 from hyscale_jax.parallel.mesh import (
     MESH_AXES, batch_sharding, check_same_config, global_batch, make_mesh, maybe_initialize_distributed, mesh_shape,
+    process_rows,
 )
 from hyscale_jax.parallel.context import (
     LAYOUTS, causal_work, context_parallel_flash_topk, context_parallel_sparse_attention, from_layout,
@@ -9,5 +10,5 @@ from hyscale_jax.parallel.context import (
 )
 
 __all__ = ["MESH_AXES", "batch_sharding", "check_same_config", "global_batch", "make_mesh", "maybe_initialize_distributed",
-           "mesh_shape", "LAYOUTS", "causal_work", "context_parallel_flash_topk", "context_parallel_sparse_attention",
+           "mesh_shape", "process_rows", "LAYOUTS", "causal_work", "context_parallel_flash_topk", "context_parallel_sparse_attention",
            "from_layout", "to_layout"]

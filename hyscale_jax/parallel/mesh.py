@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -23,8 +24,9 @@ _NOT_AXES = ("rules",)
 # for a silent process before declaring it lost (every survivor then exits with its task named).
 INIT_TIMEOUT_S = 300
 HEARTBEAT_TIMEOUT_S = 60
-# Config fields that may differ between processes (host-local paths, terminal output).
-PER_PROCESS_FIELDS = ("data.cache_dir", "train.progress_bar")
+# Config fields that may differ between processes (host-local paths, terminal output). The files
+# behind the data paths must hold the same corpus on every host.
+PER_PROCESS_FIELDS = ("data.cache_dir", "data.path", "data.tokenizer", "data.offsets", "train.progress_bar")
 
 
 def _env_int(name: str, default: int | None = None) -> int | None:
@@ -185,12 +187,51 @@ def batch_sharding(mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES, CONTEXT_AXIS))
 
 
-def global_batch(mesh, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-  """Global arrays sharded by `batch_sharding` from the global batch that every process holds.
+def process_rows(mesh, batch_size: int) -> np.ndarray:
+  """i64[N] sorted rows of a [batch_size, ...] global batch that this process's devices hold.
+
+  A process reads only these rows (all of them when `data`, `fsdp` and `expert` stay inside it; the
+  rows of its own data shards when they span processes). Processes that split one row's sequence
+  over `context` read that row each.
+  """
+  # Any sequence length that divides over `context` gives the same rows.
+  indices = batch_sharding(mesh).addressable_devices_indices_map((batch_size, mesh.shape[CONTEXT_AXIS]))
+  held = np.zeros(batch_size, dtype=bool)
+  for index in indices.values():
+    held[index[0]] = True
+  return np.flatnonzero(held).astype(np.int64)
+
+
+def global_batch(mesh, batch: dict[str, np.ndarray], *, rows=None, batch_size: int | None = None
+                 ) -> dict[str, jax.Array]:
+  """Global arrays sharded by `batch_sharding` from this process's rows of the global batch.
+
+  Args:
+    batch: [N, T, ...] arrays: the whole global batch (N = B) when `rows` is None, else its rows `rows`.
+    rows: i64[N] sorted global row indices that `batch` holds, covering `process_rows(mesh, B)`.
+    batch_size: B, the global batch size; required with `rows`.
 
   Each process places only the blocks of its own devices, whichever axes span processes (rows
   when `data` does, sequence chunks when `context` does).
+
+  Raises:
+    ValueError: `rows` without `batch_size`, or rows that miss one this process's devices hold.
   """
   sharding = batch_sharding(mesh)
-  return {name: jax.make_array_from_callback(value.shape, sharding, lambda index, value=value: value[index])
+  if rows is None:
+    return {name: jax.make_array_from_callback(value.shape, sharding, lambda index, value=value: value[index])
+            for name, value in batch.items()}
+  if batch_size is None:
+    raise ValueError("global_batch: rows= needs batch_size=, the global batch size.")
+  rows = np.asarray(rows, dtype=np.int64)
+  missing = np.setdiff1d(process_rows(mesh, batch_size), rows)
+  if missing.size:
+    raise ValueError(f"global_batch: rows={rows.tolist()} miss rows {missing.tolist()} that this process's devices hold.")
+
+  def block(index, value):
+    local = np.searchsorted(rows, np.arange(batch_size)[index[0]])
+    return value[(local, *index[1:])]
+
+  return {name: jax.make_array_from_callback((batch_size, *value.shape[1:]), sharding,
+                                             functools.partial(block, value=value))
           for name, value in batch.items()}

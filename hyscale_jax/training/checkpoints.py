@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -84,10 +85,16 @@ class Checkpointer:
       except Exception as e:  # a truncated or corrupted file surfaces as many exception types
         failures.append((step, e))
         continue
-      for bad_step, error in failures:
-        self._move_aside(bad_step, error, fallback=step)
       if failures:
+        # Process 0 alone renames (every process saw the same failures on the shared directory); the
+        # others wait for it here. A process that dies meanwhile stops the rest through the
+        # coordination service's heartbeat ($HYSCALE_HEARTBEAT_TIMEOUT_S), so nobody waits forever.
+        if jax.process_index() == 0:
+          for bad_step, error in failures:
+            self._move_aside(bad_step, error, fallback=step)
+        _sync_processes(f"hyscale_checkpoint_moved_aside_{step}")
         self._manager = self._open()
+      _check_same_step(step, self.directory)
       logging.info("restored checkpoint at step %d from %s", step, self.directory)
       return step, restored["state"], dict(restored["meta"])
     if failures:
@@ -108,3 +115,23 @@ class Checkpointer:
 
   def close(self):
     self._manager.close()
+
+
+def _sync_processes(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # noqa: PLC0415 (only multi-process runs need it)
+
+    multihost_utils.sync_global_devices(name)
+
+
+def _check_same_step(step: int, directory: str) -> None:
+  """Stops every process when they restored different steps (storage that some processes read
+  differently); they would otherwise train on from different states."""
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  steps = multihost_utils.process_allgather(np.asarray(step, dtype=np.int64)).reshape(-1)
+  if np.any(steps != step):
+    raise CheckpointError(f"processes restored different checkpoint steps {steps.tolist()} (by process) from "
+                          f"{directory}: is it one shared directory that every process reads alike?")

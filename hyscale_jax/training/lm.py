@@ -29,10 +29,9 @@ from hyscale_jax import convert, models, parallel
 from hyscale_jax import sharding as shd
 from hyscale_jax.layers.moe import MoE, update_router_bias
 from hyscale_jax.model_config import ModelConfig
-from hyscale_jax.training import layer_stacks, memory, step_modes
+from hyscale_jax.training import file_data, layer_stacks, memory, step_modes
 from hyscale_jax.training.checkpoints import CheckpointError, Checkpointer
 from hyscale_jax.training.metrics import MetricWriter
-from hyscale_jax.training.text_data import PackedTextDataset
 
 DENSE_STAGE, SPARSE_STAGE = 0, 1
 
@@ -91,6 +90,9 @@ def _model_config(config) -> ModelConfig:
     least = 0 if name in ("warmup_steps", "checkpoint_every") else 1
     if not isinstance(value, int) or value < least:
       raise ValueError(f"train.{name}={value!r} must be an int >= {least}.")
+  weight = config.train.get("mtp_loss_weight", 0.0)
+  if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+    raise ValueError(f"train.mtp_loss_weight={weight!r} must be a number >= 0.")
   return cfg
 
 
@@ -148,12 +150,15 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
   optimizer state live split by their logical axes (FSDP over `fsdp`, heads/FFN over `tensor`).
   """
   train = config.train
-  data_args = dict(source=config.data.source, vocab_size=config.data.vocab_size, seq_len=config.data.seq_len,
-                   batch_size=config.data.batch_size, seed=train.seed, cache_dir=config.data.cache_dir or None)
-  data = PackedTextDataset(**data_args)
-  validation = PackedTextDataset(**data_args, split="validation")
-  if data.vocab_size > cfg.vocab_size:
-    raise ValueError(f"the tokenizer has {data.vocab_size} tokens > model.vocab_size={cfg.vocab_size}.")
+  data = file_data.open_dataset(config.data, model_vocab_size=cfg.vocab_size, seed=train.seed)
+  validation = file_data.open_dataset(config.data, model_vocab_size=cfg.vocab_size, seed=train.seed,
+                                      split="validation")
+  # This process reads only the rows its devices hold, and the same rows whatever the process count.
+  rows = parallel.process_rows(mesh, config.data.batch_size)
+  logging.info("process %d reads rows %s of each global batch of %d", jax.process_index(), rows.tolist(),
+               config.data.batch_size)
+  feed = lambda dataset, step: parallel.global_batch(  # noqa: E731
+      mesh, dataset.batch(step, rows=rows), rows=rows, batch_size=config.data.batch_size)
 
   training = build_training(config, cfg, mesh, rules)
   state, train_step, evaluate, objective = training.state, training.train_step, training.evaluate, training.objective
@@ -161,8 +166,12 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
   restored = _restore(checkpointer, state, training.layer_groups)
   start = 0
   if restored is not None:
-    start, state, _ = restored
+    start, state, meta = restored
     logging.info("resuming at step %d", start)
+    if meta.get("data", data.fingerprint) != data.fingerprint:
+      # Batch s is a function of (seed, s, the corpus): another corpus resumes on other batches.
+      logging.warning("checkpoint step %d was trained on %s; this run reads %s", start, meta["data"],
+                      data.fingerprint)
 
   metrics_writer = MetricWriter(workdir)
   tensorboard = _tensorboard(workdir)
@@ -175,7 +184,7 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
       logging.info("stopping at step %d (train.stop_at_step); rerun to continue", step)
       break
     dense = step < train.warmup_steps
-    batch = parallel.global_batch(mesh, data.batch(step))
+    batch = feed(data, step)
     state, metrics = train_step(state, batch, dense)
     if not bool(metrics["finite"]):
       # The state is the pre-step state, so the gradients can be recomputed to name the culprit.
@@ -187,7 +196,7 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
       metrics = {k: float(v) for k, v in metrics.items() if k != "finite"}
       metrics["skipped_steps"] = int(state["skipped_steps"])
       elapsed = time.perf_counter() - window_start
-      val = parallel.global_batch(mesh, validation.batch(0))
+      val = feed(validation, 0)
       row = metrics_writer.write(done, dict(
           **metrics, val_lm_loss=evaluate(state["params"], state["rest"], val, dense),
           stage=DENSE_STAGE if dense else SPARSE_STAGE, tokens_per_sec=window_steps * tokens_per_step / elapsed,
@@ -201,7 +210,8 @@ def _train(config, cfg: ModelConfig, mesh, rules, workdir: str) -> list[dict]:
       bar.set_postfix(loss=f"{row['loss']:.4f}")
       window_start, window_steps = time.perf_counter(), 0
     last = done == train.steps or done == train.stop_at_step
-    checkpointer.maybe_save(done, state, {"step": done, "stage": int(not dense)}, force=last)
+    checkpointer.maybe_save(done, state, {"step": done, "stage": int(not dense), "data": data.fingerprint},
+                            force=last)
   checkpointer.close()
   if tensorboard is not None:
     tensorboard.close()
@@ -287,18 +297,26 @@ def build_training(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh, ru
   state_shardings = shd.state_shardings(state, mesh, rules)
   state = jax.device_put(state, state_shardings)
 
-  def forward(params, rest, batch, dense):
+  mtp_weight = config.train.get("mtp_loss_weight", 0.0)
+
+  def forward(params, rest, batch, dense, with_mtp=True):
     model = nnx.merge(graphdef, layer_stacks.per_layer(params, groups), rest)
+    mtp_tokens = batch["targets"] if with_mtp and cfg.mtp_depth else None
     h, aux = model.hidden_states(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                                 dense=dense, backends=config.ops)
+                                 dense=dense, backends=config.ops, mtp_tokens=mtp_tokens)
+    if mtp_tokens is not None:  # the MTP depths' losses, chunked the same way
+      aux["mtp_loss"] = model.mtp_loss(aux.pop("mtp_hidden"), batch["targets"], batch["loss_mask"])
     # Chunked over the sequence (model.lm_loss_chunk): no [B, T, V] logits, forward or backward.
     return model.lm_loss(h, batch["targets"], batch["loss_mask"]), aux
 
   def objective(params, rest, batch, dense):
     lm, aux = forward(params, rest, batch, dense)
-    # Warm-up: only the indexer trains, and only from the KL. Sparse: LM + coeff * KL, which reach
-    # disjoint parameters (detached indexer inputs and teacher).
+    # Warm-up: only the indexer trains, and only from the KL (the MTP blocks' indexers too). Sparse:
+    # LM + mtp_loss_weight * MTP + coeff * KL; the KL reaches disjoint parameters (detached indexer
+    # inputs and teacher).
     total = aux["indexer_loss"] if dense else lm + config.optim.indexer_loss_coeff * aux["indexer_loss"]
+    if "mtp_loss" in aux and not dense:
+      total = total + mtp_weight * aux["mtp_loss"]
     return total, (lm, aux)
 
   @jax.jit(static_argnames="dense", donate_argnums=0, out_shardings=(state_shardings, NamedSharding(mesh, P())))
@@ -310,7 +328,9 @@ def build_training(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh, ru
     rest = state["rest"]
     if not dense and "expert_load" in aux:
       model = nnx.merge(graphdef, layer_stacks.per_layer(params, groups), rest)
-      moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+      # In aux["expert_load"]'s order: the main layers', then the MTP blocks'.
+      blocks = list(model.layers) + [depth.block for depth in (model.mtp or [])]
+      moes = [block.mlp for block in blocks if isinstance(block.mlp, MoE)]
       for moe, load in zip(moes, aux["expert_load"]):
         update_router_bias(moe, load, config.optim.router_bias_rate)
       _, _, rest = nnx.split(model, nnx.Param, ...)
@@ -321,11 +341,13 @@ def build_training(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh, ru
     new["skipped_steps"] = state["skipped_steps"] + (~finite).astype(jnp.int32)
     metrics = dict(loss=total, lm_loss=lm, indexer_loss=aux["indexer_loss"], grad_norm=optax.tree.norm(grads),
                    finite=finite)
+    if "mtp_loss" in aux:
+      metrics["mtp_loss"] = aux["mtp_loss"]
     return new, metrics
 
   @jax.jit(static_argnames="dense")
   def evaluate(params, rest, batch, dense):
-    return forward(params, rest, batch, dense)[0]
+    return forward(params, rest, batch, dense, with_mtp=False)[0]
 
   return Training(state, state_shardings, train_step, evaluate, objective, main_lr, indexer_lr, groups)
 
@@ -338,7 +360,7 @@ def _handle_nonfinite(policy, step, metrics, grads, skipped, checkpointer):
   if policy == "skip":
     logging.warning("step %d: non-finite loss or gradients; skipped (%d skipped so far)", step, skipped)
     return
-  named = [(name, metrics[name]) for name in ("lm_loss", "indexer_loss", "loss")]
+  named = [(name, metrics[name]) for name in ("lm_loss", "mtp_loss", "indexer_loss", "loss") if name in metrics]
   named += [("grad " + "/".join(map(str, path)), g) for path, g in nnx.to_flat_state(grads())]
   first = next(name for name, value in named if not bool(jnp.all(jnp.isfinite(jnp.asarray(value[...])))))
   raise FloatingPointError(

