@@ -55,6 +55,19 @@ def run(fn, label, pass_name, inputs, reps):
   return row
 
 
+def run_variants(variants, pass_name, inputs, reps, results, flops, fields):
+  """Times each (label, fn) in turn; the first that runs is the baseline of `vs_jax_kernel`."""
+  base_ms = None
+  for label, fn in variants:
+    row = dict(run(fn, label, pass_name, inputs, reps), **fields)
+    if isinstance(row["ms"], float):
+      row["tflops"] = flops / row["ms"] / 1e9
+      base_ms = base_ms or row["ms"]
+      row["vs_jax_kernel"] = base_ms / row["ms"]
+    print(json.dumps(row), flush=True)
+    results.add(row)
+
+
 def run_dw(name, inputs, m, d, f, e, load, args, results):
   """dW rows: JAX's transposed kernel (the baseline) and the own one at each config."""
   variants = [("jax_transposed_ragged_dot_mgpu", lambda x, w, dout, s: bench.jax_transposed_kernel(x, dout, s))]
@@ -64,16 +77,8 @@ def run_dw(name, inputs, m, d, f, e, load, args, results):
       continue
     variants.append((f"tiled {spec}", lambda x, w, dout, s, c=config: tiled.transposed_grouped_matmul_tiled(
         x, dout, s, config=c)))
-  base_ms = None
-  for label, fn in variants:
-    row = run(fn, label, "dw", inputs, args.reps)
-    row.update(shape=name, M=m, K=m, P=d, Q=f, E=e, load=load)
-    if isinstance(row["ms"], float):
-      row["tflops"] = 2.0 * m * d * f / row["ms"] / 1e9
-      base_ms = base_ms or row["ms"]
-      row["vs_jax_kernel"] = base_ms / row["ms"]
-    print(json.dumps(row), flush=True)
-    results.add(row)
+  run_variants(variants, "dw", inputs, args.reps, results, 2.0 * m * d * f,
+               dict(shape=name, M=m, K=m, P=d, Q=f, E=e, load=load))
 
 
 def main():
@@ -104,16 +109,8 @@ def main():
           continue
         variants.append((f"tiled {spec}", lambda x, w, dout, s, c=config: tiled.grouped_matmul_tiled(
             lhs_of(x, dout), w, s, config=c, transpose_rhs=transpose)))
-      base_ms = None
-      for label, fn in variants:
-        row = run(fn, label, pass_name, inputs, args.reps)
-        row.update(shape=name, M=m, K=kk, N=n, E=e, load=load)
-        if isinstance(row["ms"], float):
-          row["tflops"] = 2.0 * m * d * f / row["ms"] / 1e9
-          base_ms = base_ms or row["ms"]
-          row["vs_jax_kernel"] = base_ms / row["ms"]
-        print(json.dumps(row), flush=True)
-        results.add(row)
+      run_variants(variants, pass_name, inputs, args.reps, results, 2.0 * m * d * f,
+                   dict(shape=name, M=m, K=kk, N=n, E=e, load=load))
     del inputs
 
 

@@ -103,6 +103,19 @@ def _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, tile_m: in
       done = done + (count & size)
 
 
+def _persistent(kernel, out_shape, dtype, num_sms: int):
+  """One CTA per SM, three warpgroups ("wg": two MMA consumers and the TMA producer)."""
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct(out_shape, dtype),
+      grid=(num_sms,),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )
+
+
 def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs: bool = False,
                          num_sms: int | None = None):
   """lhs bf16|f16[M, K] x rhs [G, K, N] ([G, N, K] with transpose_rhs) -> [M, N] in lhs.dtype.
@@ -207,16 +220,7 @@ def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  call = plgpu.kernel(
-      kernel,
-      out_type=jax.ShapeDtypeStruct((m, n), dtype),
-      grid=(num_sms,),
-      grid_names=("sm",),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )
-  return call(table, lhs, rhs)
+  return _persistent(kernel, (m, n), dtype, num_sms)(table, lhs, rhs)
 
 
 def group_table(group_sizes: jax.Array) -> jax.Array:
@@ -349,13 +353,4 @@ def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sm
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  call = plgpu.kernel(
-      kernel,
-      out_type=jax.ShapeDtypeStruct((g, p, q), dtype),
-      grid=(num_sms,),
-      grid_names=("sm",),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )
-  return call(table, a, b)
+  return _persistent(kernel, (g, p, q), dtype, num_sms)(table, a, b)
