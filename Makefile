@@ -32,7 +32,7 @@ train: setup
 	$(PY) train.py --config=$(CONFIG) --workdir=$(WORKDIR) $(TRAIN_ARGS)
 
 test: setup
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(MARKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(MARKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

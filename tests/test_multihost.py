@@ -18,6 +18,10 @@ import pytest
 
 from configs import glm5_1
 from hyscale_jax import parallel
+
+# One pytest-xdist worker runs these one after another (`make test` uses --dist loadgroup): two jobs of
+# several gloo processes each on 2 cores spin against each other (a 30 s test passed 240 s in CI).
+pytestmark = pytest.mark.xdist_group("multiprocess")
 from hyscale_jax.parallel import mesh as mesh_lib
 from hyscale_jax.training import file_data, lm
 
@@ -61,7 +65,7 @@ def _losses(workdir):
   return {r["step"]: (r["loss"], r["lm_loss"], r["indexer_loss"], r["val_lm_loss"]) for r in rows}
 
 
-def _run(n, devices, args, *, timeout=240, base_env=None):
+def _run(n, devices, args, *, timeout=480, base_env=None):
   procs = launch_local.start(n, args, devices_per_process=devices, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, base_env=base_env)
   outs = [p.communicate(timeout=timeout)[0] for p in procs]
