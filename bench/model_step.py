@@ -2,6 +2,8 @@
 
     python bench/model_step.py --models tiny mid --modes megatron_style hyscale --out bench/results/model_step.json
     python bench/model_step.py --models glm2 --seq 65536 131072 --append --out bench/results/model_step.json
+    python bench/model_step.py --models glm2 --seq 524288 1048576 --modes hyscale --no-preflight \
+        --set model.attention_query_chunk=32768 model.ffn_token_chunk=32768   # the largest T
     python bench/model_step.py --smoke --out /tmp/model_step.json    # the tiny model for 4 steps on CPU
 
 Each (model, T, mode) is one `train.py` process with `--config.step_mode=<mode>` on the pydoc corpus
@@ -65,15 +67,22 @@ def run_one(model, seq, mode, args, workdir):
     cmd.append("--config.data.batch_size=2")
   if args.no_preflight:
     cmd.append("--config.train.memory_preflight=false")
+  cmd += [f"--config.{override}" for override in args.set]
   _log(f"{model} {mode}: {' '.join(cmd[1:])}")
   t0 = time.perf_counter()
   # The long rows need most of the GPU (JAX preallocates 75% unless told): as bench/layer_step.py asks.
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")])))
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout_s)
+  except subprocess.TimeoutExpired as e:
+    proc = subprocess.CompletedProcess(cmd, -9, e.stdout or "", (e.stderr or "") + f"\ntimed out after {args.timeout_s} s")
+    proc.stdout, proc.stderr = (x.decode() if isinstance(x, bytes) else x for x in (proc.stdout, proc.stderr))
   row = dict(model=model, T=seq, mode=mode, wall_s=time.perf_counter() - t0, command=" ".join(cmd[1:]))
   if model == "glm2":
     row["experts"] = args.experts
+  if args.set:
+    row["set"] = list(args.set)
   # train.py logs the memory preflight's estimate before compiling; the row sets it beside the peak.
   estimate = re.search(r"memory preflight: about ([0-9.]+) GiB", proc.stderr + proc.stdout)
   if estimate:
@@ -116,6 +125,9 @@ def main(argv=None):
                       help="logging windows of the dense warm-up stage before the two sparse ones")
   parser.add_argument("--no-preflight", action="store_true",
                       help="run past the memory preflight (to find the largest T that fits)")
+  parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                      help="config overrides for every run, e.g. model.attention_query_chunk=32768")
+  parser.add_argument("--timeout-s", type=float, default=None, help="stop a run after this long (its row says so)")
   parser.add_argument("--append", action="store_true", help="keep the rows already in --out")
   parser.add_argument("--data-dir", default=os.environ.get("HYSCALE_DATA_DIR", ".data"))
   parser.add_argument("--out", default="bench/results/model_step.json")

@@ -14,7 +14,7 @@ _DTYPES = ("float32", "bfloat16")
 # checkpoint holds; a checkpoint's config is compared with a run's on every other field.
 EXECUTION_FIELDS: frozenset[str] = frozenset({
     "dtype", "param_dtype", "remat_policy", "indexer_loss_grad_in_forward", "attention_query_chunk",
-    "moe_token_chunk", "lm_loss_chunk", "scan_layers", "linear_chunk"})
+    "ffn_token_chunk", "moe_token_chunk", "lm_loss_chunk", "scan_layers", "linear_chunk"})
 # Where a config came from, not what it computes: the Hugging Face config.json it was imported from
 # (export writes it back, with the fields we own updated). Never compared between configs.
 PROVENANCE_FIELDS: frozenset[str] = frozenset({"hf_config"})
@@ -77,6 +77,11 @@ class ModelConfig:
   # Tokens per chunk of the routed experts (layers/moe.py): dispatched rows and expert activations exist
   # for one chunk at a time, each chunk rematerialized in the backward pass; 0 runs all tokens at once.
   moe_token_chunk: int = 0
+  # The FFN sub-block (its norm, the dense MLP or the whole MoE, the residual add) over this many
+  # sequence positions at a time when T is longer (T must then be a multiple; 0: all at once). Each
+  # chunk is rematerialized, so its [B, chunk, F] activations (dense FFN: 3 x 12288 wide at GLM-5.1)
+  # and their gradients exist one chunk at a time; the cost is one more forward of the block.
+  ffn_token_chunk: int = 0
   # SwiGLU clamp (DeepSeek-V4): gate <= limit, |up| <= limit before silu(gate) * up; 0 disables it.
   swiglu_limit: float = 0.0
   # Residual streams (layers/hyper_connections.py): `hc_mult` parallel residual streams, 0 for a
@@ -198,11 +203,24 @@ class ModelConfig:
     Raises:
       ValueError: `seq_len` is above `attention_query_chunk` but not a multiple of it.
     """
-    chunk = self.attention_query_chunk
-    if not chunk or seq_len <= chunk or self.architecture != "glm_moe_dsa":  # only MLA layers chunk
+    if self.architecture != "glm_moe_dsa":  # only MLA layers chunk
+      return 0
+    return self._sequence_chunk("attention_query_chunk", seq_len)
+
+  def ffn_chunk(self, seq_len: int) -> int:
+    """Positions per FFN sub-block chunk at length `seq_len`, or 0 when it runs unchunked (off or T fits one).
+
+    Raises:
+      ValueError: `seq_len` is above `ffn_token_chunk` but not a multiple of it.
+    """
+    return self._sequence_chunk("ffn_token_chunk", seq_len)
+
+  def _sequence_chunk(self, field: str, seq_len: int) -> int:
+    chunk = getattr(self, field)
+    if not chunk or seq_len <= chunk:
       return 0
     if seq_len % chunk:
-      raise ValueError(f"model.attention_query_chunk={chunk} must divide the sequence length T={seq_len} "
+      raise ValueError(f"model.{field}={chunk} must divide the sequence length T={seq_len} "
                        "(or be >= T, or 0 for no chunking).")
     return chunk
 
@@ -229,13 +247,10 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {_DTYPES}.")
-    if not isinstance(self.moe_token_chunk, int) or self.moe_token_chunk < 0:
-      raise ValueError(f"model.moe_token_chunk={self.moe_token_chunk!r} must be an int >= 0 (0: unchunked).")
-    if not isinstance(self.attention_query_chunk, int) or self.attention_query_chunk < 0:
-      raise ValueError(f"model.attention_query_chunk={self.attention_query_chunk!r} must be an int >= 0 "
-                       "(0: unchunked).")
-    if not isinstance(self.lm_loss_chunk, int) or self.lm_loss_chunk < 0:
-      raise ValueError(f"model.lm_loss_chunk={self.lm_loss_chunk!r} must be an int >= 0 (0: unchunked).")
+    for name in ("moe_token_chunk", "ffn_token_chunk", "attention_query_chunk", "lm_loss_chunk"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"model.{name}={value!r} must be an int >= 0 (0: unchunked).")
     if not isinstance(self.mtp_depth, int) or isinstance(self.mtp_depth, bool) or self.mtp_depth < 0:
       raise ValueError(f"model.mtp_depth={self.mtp_depth!r} must be an int >= 0 (0: no MTP).")
     self._check_hyper_connections()

@@ -107,3 +107,44 @@ def test_a_chunked_model_saves_the_selection_but_not_the_attention_output(chunk,
   selection = [s for s in saved if s.startswith("i32") and s.endswith(f",{cfg.index_topk}")]
   assert selection, saved
   assert bool(attention_out) == (chunk == 0), saved
+
+
+def _model_step(cfg, tokens):
+  """(loss, expert_load, grads) of one model forward and backward: mean squared logits + indexer loss."""
+  graphdef, params, rest = nnx.split(models.build(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+
+  def loss(p):
+    out = nnx.merge(graphdef, p, rest)(tokens)
+    return jnp.mean(out.logits**2) + out.aux.get("indexer_loss", 0.0), out.aux["expert_load"]
+
+  (value, load), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  return value, load, grads
+
+
+@pytest.mark.parametrize("family", ["glm5_1", "deepseek_v4_flash"])
+def test_ffn_chunks_give_the_whole_block(family):
+  """`model.ffn_token_chunk`: a dense layer and MoE layers (GLM), mHC residual streams and hash routing
+  (DeepSeek-V4) give the same loss, expert load and gradients one chunk of positions at a time."""
+  module = __import__(f"configs.{family}", fromlist=["get_config"])
+  base = ModelConfig.from_config(module.get_config("tiny").model)
+  cfg = dataclasses.replace(base, index_topk=8, moe_token_chunk=0)
+  tokens = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
+  want = _model_step(cfg, tokens)
+  got = _model_step(dataclasses.replace(cfg, ffn_token_chunk=CHUNK), tokens)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-7)
+  assert float(np.asarray(want[1]).sum()) > 0
+  for (path, g), (_, w) in zip(*(jax.tree_util.tree_leaves_with_path(t) for t in (got[2], want[2]))):
+    scale, name = max(float(jnp.abs(w).max()), 1e-30), jax.tree_util.keystr(path)
+    # The mHC head's gradients are sums of large terms of both signs: any regrouping of the f32
+    # arithmetic moves them by ~1e-4 of their scale (the MoE's own token chunks do the same).
+    np.testing.assert_allclose(g / scale, w / scale, atol=5e-4 if "hc_head" in name else 2e-5, err_msg=name)
+
+
+def test_ffn_chunk_not_dividing_the_length_is_named():
+  cfg = dataclasses.replace(_TINY, n_layers=1, ffn_token_chunk=24)
+  model = models.build(cfg, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"ffn_token_chunk=24 .* T=64"):
+    model(jnp.zeros((1, T), jnp.int32))
+  with pytest.raises(ValueError, match="model.ffn_token_chunk"):
+    dataclasses.replace(_TINY, ffn_token_chunk=-16)

@@ -25,8 +25,8 @@ _QSA = ModelConfig(architecture="qwen4_exp", vocab_size=64, d_model=32, n_layers
 
 def _loss_and_grads(cfg, mode):
   ops, overrides = step_modes.settings(mode)
-  if overrides["attention_query_chunk"]:
-    overrides["attention_query_chunk"] = 8  # four query chunks of the 32 tokens
+  if overrides["attention_query_chunk"]:  # four chunks of the 32 tokens
+    overrides.update(attention_query_chunk=8, ffn_token_chunk=8)
   model = models.build(dataclasses.replace(cfg, **overrides), rngs=nnx.Rngs(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tokens = jax.random.randint(jax.random.key(1), (1, 32), 0, cfg.vocab_size)
@@ -56,7 +56,15 @@ def test_apply_writes_the_mode_into_the_config():
   assert applied.ops.flash_topk == "xla_baseline" and applied.model.remat_policy == "full"
   assert config.ops.flash_topk == "auto"  # the caller's config is left as it was
   config.step_mode = "hyscale"
-  assert step_modes.apply(config).model.indexer_loss_grad_in_forward
+  applied = step_modes.apply(config)
+  assert applied.model.indexer_loss_grad_in_forward
+  assert applied.model.attention_query_chunk == applied.model.ffn_token_chunk == 131072
+  # The mode turns chunking on; a chunk size the user set is theirs.
+  config.model.attention_query_chunk, config.model.ffn_token_chunk = 32768, 16384
+  applied = step_modes.apply(config)
+  assert (applied.model.attention_query_chunk, applied.model.ffn_token_chunk) == (32768, 16384)
+  config.step_mode = "megatron_style"
+  assert step_modes.apply(config).model.attention_query_chunk == 0
 
 
 def test_unknown_mode_is_named():

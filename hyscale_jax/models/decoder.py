@@ -17,6 +17,7 @@ from hyscale_jax.layers.mlp import MLP
 from hyscale_jax.layers.moe import MoE
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.models.mtp import MTPLayer, depth_targets, shift_left
+from hyscale_jax.ops import _streaming as st
 
 
 class ModelOutput(NamedTuple):
@@ -82,6 +83,7 @@ class DecoderLayer(nnx.Module):
         cfg.d_model, epsilon=cfg.rms_eps, rngs=rngs, dtype=dtype, param_dtype=pdtype,
         scale_metadata=shd.param(shd.NORM))
     self.attn_hc, self.mlp_hc, self.ple = attn_hc, mlp_hc, ple
+    self.cfg = cfg
     self.input_layernorm = norm(attn_hc)
     self.self_attn = attention
     self.post_attention_layernorm = norm(mlp_hc)
@@ -110,11 +112,33 @@ class DecoderLayer(nnx.Module):
     attn = self.self_attn(prenorm(self.input_layernorm, h), positions, segment_ids, dense=dense,
                           shared_indices=shared_indices, backends=backends)
     x = _leave(self.attn_hc, x, attn.out, mix)
+    x, load = self._chunked_ffn(x, token_ids, backends)
+    return x, attn.indices, attn.indexer_loss, load
+
+  def _ffn(self, x, token_ids, backends):
+    """The FFN sub-block on residual rows x [B, t, ...]: (the residual after it, expert_load f32[E] or None)."""
     h, mix = _enter(self.mlp_hc, x)
+    if self.post_attention_layernorm is not None:
+      h = self.post_attention_layernorm(h)
     moe_args = {"token_ids": token_ids} if isinstance(self.mlp, MoE) else {}
-    ffn = self.mlp(prenorm(self.post_attention_layernorm, h), backends=backends, **moe_args)
+    ffn = self.mlp(h, backends=backends, **moe_args)
     ffn, load = ffn if isinstance(ffn, tuple) else (ffn, None)
-    return _leave(self.mlp_hc, x, ffn, mix), attn.indices, attn.indexer_loss, load
+    return _leave(self.mlp_hc, x, ffn, mix), load
+
+  def _chunked_ffn(self, x, token_ids, backends):
+    """`_ffn` over `cfg.ffn_token_chunk` positions at a time, each chunk rematerialized.
+
+    Every part of the sub-block is per position (routing included), so the chunks give the same
+    rows; the expert load is the mean of the chunks' (equal chunks: the same fractions).
+    """
+    T = x.shape[1]
+    chunk = self.cfg.ffn_chunk(T)
+    if not chunk:
+      return self._ffn(x, token_ids, backends)
+    split, join = st.row_chunks(chunk, T)
+    body = jax.checkpoint(lambda xs: self._ffn(*xs, backends), prevent_cse=False)
+    out, load = jax.lax.map(body, (split(x), split(token_ids)))
+    return join(out), None if load is None else load.mean(axis=0)
 
 
 class Decoder(nnx.Module):

@@ -10,8 +10,10 @@ The estimate adds, per device:
   device's positions per row; layers/lm_head.py), never of the whole [B, T, V]; with parameters
   below f32, also what the loss's f32 head-gradient accumulator [D, V] adds to the gradient;
 - the largest transient of one layer: its intermediates while its backward runs (the recomputed
-  forward and their gradients), or the all-gathered key rows under context parallelism (counted
-  at full T even when MLA query chunking would hold them one chunk at a time: an upper bound);
+  forward and their gradients; MLA's query side one `model.attention_query_chunk` of rows at a
+  time and the FFN sub-block one `model.ffn_token_chunk`, when those chunk), or the all-gathered
+  key rows under context parallelism (counted at full T even when MLA query chunking would hold
+  them one chunk at a time: an upper bound);
 - the routed experts of one MoE layer's backward, for one token chunk (`model.moe_token_chunk`,
   all tokens when 0) of R = tokens x experts_per_token dispatched rows (`moe_expert_bytes`): with
   `ops.grouped_matmul`'s Hopper kernels, the rows and the experts' activations and their gradients,
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import os
 
@@ -60,6 +63,13 @@ MOE_EXPANSION_F32_COPIES = 1.0
 # The grouped kernel's per-row buffers of `moe_expert_bytes` live at once: a prior, not yet fitted
 # to a whole-model peak (the GLM-5.1 decoder layer's H200 peaks are in bench/results/layer_step.json).
 MOE_GROUPED_COPIES = 1.0
+# [rows, D] activation-dtype arrays at full length that a layer run over sequence chunks
+# (`model.attention_query_chunk`, `model.ffn_token_chunk`) holds at once beyond the terms above: the
+# chunk loops' stacked inputs and outputs and their cotangents. Fitted to the GLM-5.1 2-layer
+# model's H200 peaks (bench/results/model_step.json): 256K with 128K query chunks 105.2 GiB
+# measured (6.2 arrays missing without this term), 512K with 32K query and FFN chunks 120.7 GiB
+# measured (5.4), and 1M (32K chunks) 222.9 GiB asked of the allocator when it ran out (6.7).
+CHUNKED_LAYER_FULL_LENGTH_COPIES = 6.0
 # What the device's peak holds beyond the compiled program: 70 MB on the tiny H200 run, 0.2 GiB at 16K.
 RUNTIME_RESERVE_BYTES = 64 * 2**20
 
@@ -111,15 +121,50 @@ def _attention_parts(cfg: ModelConfig, layer: int) -> int:
   return 2 if cfg.architecture == "deepseek_v4" and cfg.layer_kind(layer) == "hca" else 1
 
 
-def _layer_bytes_per_token(cfg: ModelConfig, layer: int) -> float:
+class LayerBytes(NamedTuple):
+  """Bytes per token of one layer's large intermediates, by which rows hold them at once.
+
+  `whole`: every position of the sequence (the keys, the residual stream, the norms);
+  `query`: the MLA query side (absorbed queries, attention output, selection, indexer queries),
+  one `model.attention_query_chunk` of rows at a time when that chunking is on;
+  `ffn`: the FFN sub-block's activations (dense MLP, shared experts, router), one
+  `model.ffn_token_chunk` of rows at a time when that chunking is on.
+  """
+
+  whole: float
+  query: float
+  ffn: float
+
+  @property
+  def total(self) -> float:
+    return self.whole + self.query + self.ffn
+
+  def rows_bytes(self, cfg: ModelConfig, rows: float, seq_len: int) -> float:
+    """Bytes of this device's `rows` positions of length-`seq_len` sequences, each part over its chunk's rows.
+
+    A length a chunk does not divide counts as unchunked here (the layer itself raises).
+    """
+    def chunked(chunk_of):
+      try:
+        chunk = chunk_of(seq_len)
+      except ValueError:
+        chunk = 0
+      return rows * chunk / seq_len if chunk else rows
+
+    return rows * self.whole + chunked(cfg.query_chunk) * self.query + chunked(cfg.ffn_chunk) * self.ffn
+
+
+def _layer_bytes_per_token(cfg: ModelConfig, layer: int) -> LayerBytes:
   """Bytes per token of one layer's large intermediates (matmul outputs, attention out, indices).
 
   None grows with the length: HCA and CSA's warm-up stream their entries rather than list them.
+  Only MLA (GLM-5.1 / DSA) layers have a query side apart from `whole` (see `ModelConfig.query_chunk`).
   """
   a = jnp.dtype(cfg.dtype).itemsize
   D, H = cfg.d_model, cfg.n_heads
   index = cfg.index_n_heads * cfg.index_head_dim + cfg.index_head_dim + cfg.index_n_heads
   lse_parts = 0  # f32 [H] per token beyond the one lse below
+  query = 0.0
   if cfg.architecture == "deepseek_v4":
     hd, kind = cfg.head_dim, cfg.layer_kind(layer)
     attn = 2 * cfg.q_lora_rank + 2 * H * hd + 2 * hd + 2 * H * hd + cfg.o_groups * cfg.o_lora_rank
@@ -144,14 +189,43 @@ def _layer_bytes_per_token(cfg: ModelConfig, layer: int) -> float:
     attended = cfg.index_topk * cfg.qsa_block + cfg.qsa_block - 1
   else:
     L, R, nope = cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.qk_nope_dim
-    attn = (2 * cfg.q_lora_rank + H * (nope + R) + H * L + H * (L + R) + 2 * (L + R) + L + H * L
-            + H * cfg.v_head_dim + (index if cfg.has_indexer(layer) else 0))
-    attended = cfg.index_topk
+    # The keys (latent, roped, the value prefix, the indexer's) for all rows; the rest per query.
+    attn = 2 * (L + R) + L + (cfg.index_head_dim if cfg.has_indexer(layer) else 0)
+    query_side = (2 * cfg.q_lora_rank + H * (nope + R) + H * L + H * (L + R) + H * L + H * cfg.v_head_dim
+                  + (cfg.index_n_heads * (cfg.index_head_dim + 1) if cfg.has_indexer(layer) else 0))
+    query = query_side * a + cfg.index_topk * 4  # and the selection
+    attended = 0
   if cfg.is_moe(layer):  # the shared experts and the f32 combine (the routed rows: `moe_expert_bytes`)
     mlp = 3 * cfg.n_shared_experts * cfg.moe_inter + 2 * D
   else:
     mlp = 3 * cfg.dense_inter
-  return (attn + mlp + 4 * D) * a + (2 * H + lse_parts + cfg.n_routed_experts) * 4 + attended * 4
+  return LayerBytes(whole=(attn + 4 * D) * a + (2 * H + lse_parts) * 4 + attended * 4, query=query,
+                    ffn=mlp * a + cfg.n_routed_experts * 4)
+
+
+def _runs_in_chunks(cfg: ModelConfig, seq_len: int) -> bool:
+  """Whether the layers run over query or FFN chunks at this length (a chunk that does not divide it: no)."""
+  try:
+    return bool(cfg.query_chunk(seq_len) or cfg.ffn_chunk(seq_len))
+  except ValueError:
+    return False
+
+
+def _indexer_grads(cfg: ModelConfig, seq_len: int) -> float:
+  """Bytes per token that `"selection_replay"` saves of the indexer loss's forward-pass gradient (0 without it).
+
+  The gradients w.r.t. the indexer's queries and weights, and w.r.t. its keys: one whole-length key
+  gradient per MLA query chunk (each chunk's loss reaches every key), so that term grows as T^2 / chunk.
+  """
+  if not cfg.indexer_loss_grad_in_forward:
+    return 0.0
+  a = jnp.dtype(cfg.dtype).itemsize
+  try:
+    chunk = cfg.query_chunk(seq_len)
+  except ValueError:
+    chunk = 0
+  key_grads = seq_len // chunk if chunk else 1
+  return (cfg.index_n_heads * (cfg.index_head_dim + 1) + key_grads * cfg.index_head_dim) * a
 
 
 def grouped_matmul_kernel_applies(cfg: ModelConfig) -> bool:
@@ -225,10 +299,11 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
   blocks = _blocks(cfg)  # the MTP depths' blocks count as layers
   per_layer = [_layer_bytes_per_token(c, i) for c, i in blocks]
   if cfg.remat_policy == "none":
-    saved = sum(per_layer)
+    saved = sum(b.total for b in per_layer)
   elif cfg.remat_policy == "selection_replay":
     attention = cfg.n_heads * (out_width * a_bytes + 4) if cfg.saves_attention(seq_len) else 0  # out, lse
-    saved = sum(_attention_parts(c, i) * attention + (cfg.index_topk * 4 if _has_indexer(c, i) else 0)
+    saved = sum(_attention_parts(c, i) * attention + (cfg.index_topk * 4 + _indexer_grads(cfg, seq_len)
+                                                       if _has_indexer(c, i) else 0)
                 for c, i in blocks)
   else:
     saved = 0
@@ -242,7 +317,10 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
       "logits": (LOGITS_COPIES * batch_size / data_shards * chunk_rows * cfg.vocab_size * 4
                  + (4 - p_bytes) * cfg.d_model * cfg.vocab_size),
       "one layer's transients": max(batch_size / data_shards * seq_len * key_width * a_bytes,
-                                    LAYER_TRANSIENT_COPIES[cfg.remat_policy] * rows * max(per_layer)),
+                                    LAYER_TRANSIENT_COPIES[cfg.remat_policy]
+                                    * max(b.rows_bytes(cfg, rows, seq_len) for b in per_layer)),
+      "chunked layer's full-length arrays": (CHUNKED_LAYER_FULL_LENGTH_COPIES * rows * cfg.d_model * a_bytes
+                                             if _runs_in_chunks(cfg, seq_len) else 0),
       # One MoE layer's backward at a time; every remat policy runs it.
       "MoE routed experts": max(moe_expert_bytes(c, i, rows, grouped_kernel=grouped_kernel) for c, i in blocks),
       "runtime reserve": RUNTIME_RESERVE_BYTES,

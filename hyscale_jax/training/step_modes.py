@@ -24,10 +24,13 @@ HOLISTIC: dict[str, dict] = {
     # The indexer loss's gradient computed in its forward pass and saved (DSA, CSA, QSA): the teacher
     # runs once per step instead of three times (forward, remat recompute, backward).
     "fused_loss_grad": {"indexer_loss_grad_in_forward": True},
-    # MLA attention over 128K query rows at a time, for 256K-1M tokens (measured to 512K); each chunk
-    # then reruns its attention forward in the backward pass (ModelConfig.query_chunk). No-op at T <= 128K.
-    "query_chunk": {"attention_query_chunk": 131072},
+    # MLA attention over 128K query rows at a time and the FFN sub-block over 128K positions, for
+    # 256K-1M tokens; each chunk then reruns its forward in the backward pass
+    # (ModelConfig.query_chunk, ModelConfig.ffn_chunk). No-op at T <= 128K. A chunk size the config
+    # already sets (nonzero) is kept: the mode turns chunking on, the user may choose its size.
+    "query_chunk": {"attention_query_chunk": 131072, "ffn_token_chunk": 131072},
 }
+_SIZES_THE_USER_KEEPS = ("attention_query_chunk", "ffn_token_chunk")
 _BASE = {
     "megatron_style": ({"flash_topk": "xla_baseline", "indexer_loss": "xla_baseline"}, {"remat_policy": "full"}),
     "+flashtopk": ({"flash_topk": "auto", "indexer_loss": "auto"}, {"remat_policy": "full"}),
@@ -52,7 +55,7 @@ def settings(mode: str) -> tuple[dict, dict]:
   else:
     raise ValueError(f"step_mode={mode!r} is not one of {STEP_MODES + ABLATIONS}.")
   ops, model = _BASE["+replay" if holistic else mode]
-  model = dict(model, indexer_loss_grad_in_forward=False, attention_query_chunk=0)
+  model = dict(model, indexer_loss_grad_in_forward=False, attention_query_chunk=0, ffn_token_chunk=0)
   for name in holistic:
     model.update(HOLISTIC[name])
   return dict(ops, sparse_attention="auto"), model
@@ -61,7 +64,8 @@ def settings(mode: str) -> tuple[dict, dict]:
 def apply(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A copy of `config` with `config.step_mode`'s settings written into `config.ops` and `config.model`.
 
-  An empty or missing `step_mode` returns `config` unchanged (each field as configured).
+  An empty or missing `step_mode` returns `config` unchanged (each field as configured). Where the
+  mode turns a chunking on, a nonzero chunk size already in `config.model` is kept.
   """
   mode = config.get("step_mode", "")
   if not mode:
@@ -72,5 +76,6 @@ def apply(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for name, backend in ops.items():
       config.ops[name] = backend
     for name, value in model.items():
-      config.model[name] = value
+      if not (name in _SIZES_THE_USER_KEEPS and value and config.model.get(name)):
+        config.model[name] = value
   return config
