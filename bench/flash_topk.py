@@ -14,6 +14,7 @@ inputs and outputs.
 """
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -138,11 +139,13 @@ def run_breakdown(T, config, topk=2048):
       config=config, interpret=False))
   full = jax.jit(pallas_fn(topk, 1, config))
   ceiling = jax.jit(ceiling_fn(topk, 1, config))
-  finish = jax.jit(lambda c, t: topk_pallas._finish(c, t, topk))
+  finish = jax.jit(lambda c, t: topk_pallas._finish(c, t, topk, method=config.finish))
+  finish_top_k = jax.jit(lambda c, t: topk_pallas._finish(c, t, topk, method="top_k"))
   top_k_only = jax.jit(lambda s: jax.lax.top_k(s, topk))
   cands = main(q, k, w, t)
   times = dict(threshold=timed(threshold, q, k, w, reps=3), main_pass=timed(main, q, k, w, t, reps=3),
-               finish_unchunked=timed(finish, cands, t, reps=3), top_k_alone=timed(top_k_only, cands.scores),
+               finish_unchunked=timed(finish, cands, t, reps=3),
+               finish_top_k_unchunked=timed(finish_top_k, cands, t, reps=3), top_k_alone=timed(top_k_only, cands.scores),
                full=timed(full, q, k, w, reps=3), ceiling=timed(ceiling, q, k, w, reps=3))
   times["rest"] = times["full"] - times["threshold"] - times["main_pass"] - times["finish_unchunked"]
   stats = full(q, k, w)[2]
@@ -177,6 +180,8 @@ def run_table(shapes, config, reps, skip):
     flops = 2 * H * D * visible_pairs(T, cr)
     variants = {
         "pallas": jax.jit(pallas_fn(topk, cr, config)),
+        # The same backend with the previous finish (lax.top_k over the whole candidate buffer).
+        "pallas_top_k_finish": jax.jit(pallas_fn(topk, cr, dataclasses.replace(config, finish="top_k"))),
         "ceiling": jax.jit(ceiling_fn(topk, cr, config)),
         "xla_baseline": jax.jit(lambda q, k, w: tuple(ops.flash_topk(
             q, k, w, topk=topk, compress_ratio=cr, scale=D**-0.5, backend="xla_baseline"))),
@@ -191,11 +196,15 @@ def run_table(shapes, config, reps, skip):
       seconds = timed(fn, q, k, w, reps=reps, warmup=False)
       row = dict(shape=shape, T=T, H=H, topk=topk, compress_ratio=cr, variant=name, ms=seconds * 1e3,
                  tflops=flops / seconds / 1e12, temp_gb=temp_bytes(fn, q, k, w) / 1e9)
-      if name == "pallas":
+      if name.startswith("pallas"):
         stats = out[2]
         row.update(rescued=int(stats["rescued"]), candidates_per_row=float(stats["candidates_per_row"]))
       if name in ("pallas", "xla_baseline"):
         selected[name] = jnp.sort(out[0], axis=-1)
+      if name == "pallas_top_k_finish" and "pallas" in results:  # the two finishes: bit-identical outputs
+        ref = jax.block_until_ready(variants["pallas"](q, k, w))
+        row["identical_to_pallas"] = bool(jnp.array_equal(out[0], ref[0]) & jnp.array_equal(out[1], ref[1]))
+        del ref
       del out
       results[name] = row
       print(row, flush=True)
@@ -244,7 +253,7 @@ def main():
                                      (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 4, 2)]]
     rows = run_tune(args.seq, configs)
   else:
-    every = {"pallas", "ceiling", "xla_baseline", "reference"}
+    every = {"pallas", "pallas_top_k_finish", "ceiling", "xla_baseline", "reference"}
     skip = {s: every - set(args.only) for s in args.shapes} if args.only else {}
     rows = run_table(args.shapes, Config(**args.config), args.reps, skip)
   if args.out:

@@ -391,3 +391,66 @@ def test_pallas_never_materializes_score_table():
   assert {"pallas_call", "while", "dot_general"} <= seen, seen
   assert largest >= T * config.candidates  # it sees the candidate buffers
   assert largest < T * T // 4, largest
+
+
+# --------------------------------------------------------------------------------------------
+# The finish's selection kernel (`pallas_kernels.flash_topk.select`), interpret mode.
+# --------------------------------------------------------------------------------------------
+
+
+def _select_oracle(scores, n_valid, topk):
+  """The topk best valid slots of each row (score descending, then slot ascending), listed in slot order."""
+  out = []
+  for row, n in zip(scores.astype(np.float64), n_valid):
+    n = int(min(n, row.size))
+    out.append(sorted(sorted(range(n), key=lambda j: (-row[j], j))[:topk]))
+  return out
+
+
+@pytest.mark.parametrize("topk", [6, 16])
+def test_select_candidates_keeps_the_topk_in_slot_order(topk):
+  """Ties (the zero plateau, all-equal rows, ties straddling the k-th place), +-inf, negative
+  scores, and rows with fewer valid entries than topk, none, or a count past the buffer."""
+  from pallas_kernels.flash_topk import select_candidates  # noqa: PLC0415
+
+  rng = np.random.default_rng(11)
+  S = 32
+  scores = rng.integers(-3, 4, (9, S)).astype(np.float32)
+  scores[1] = 0.0                                 # all equal: the lowest slots win
+  scores[2] = np.maximum(scores[2], 0.0)          # ReLU's zero plateau under a few positives
+  scores[3, ::3] = np.inf
+  scores[4] = -np.inf
+  scores[5] = rng.normal(size=S).astype(np.float32) * 1e-30  # denormal-sized, both signs
+  scores[6] = -rng.random(S).astype(np.float32)
+  n_valid = np.asarray([S, S, 25, S, 20, S, topk - 1, 0, 1000], np.int32)
+  indices = rng.permutation(9 * S).astype(np.int32).reshape(9, S)
+  got_s, got_i, got_n = jax.jit(functools.partial(select_candidates, topk=topk, interpret=True))(
+      jnp.asarray(scores), jnp.asarray(indices), jnp.asarray(n_valid))
+  got_s, got_i, got_n = (np.asarray(x) for x in (got_s, got_i, got_n))
+  for r, slots in enumerate(_select_oracle(scores, n_valid, topk)):
+    assert got_n[r] == len(slots), r
+    np.testing.assert_array_equal(got_i[r, : got_n[r]], indices[r, slots], err_msg=f"row {r}")
+    np.testing.assert_array_equal(got_s[r, : got_n[r]], scores[r, slots], err_msg=f"row {r}")
+
+
+def test_select_candidates_rejects_a_buffer_not_wider_than_topk():
+  from pallas_kernels.flash_topk import select_candidates  # noqa: PLC0415
+
+  with pytest.raises(ValueError, match="S=8 must be a power of two above topk=8"):
+    select_candidates(jnp.zeros((2, 8)), jnp.zeros((2, 8), jnp.int32), jnp.zeros((2,), jnp.int32), 8)
+
+
+def test_both_finishes_agree_on_random_candidates():
+  """`_finish` with the selection kernel and with lax.top_k: the same indices, scores and verdicts."""
+  rng = np.random.default_rng(5)
+  B, Tq, slots, tie_slots, topk = 2, 7, 32, 8, 8
+  scores = rng.integers(0, 6, (B, Tq, slots)).astype(np.float32)  # many ties
+  c = Candidates(jnp.asarray(rng.integers(0, 500, (B, Tq, slots)), jnp.int32), jnp.asarray(scores),
+                 jnp.asarray(rng.integers(0, 500, (B, Tq, tie_slots)), jnp.int32),
+                 jnp.asarray(rng.integers(0, 40, (B, Tq)), jnp.int32), jnp.asarray(rng.integers(0, 9, (B, Tq)), jnp.int32),
+                 jnp.full((B, Tq), 500, jnp.int32))
+  t = jnp.zeros((B, Tq), jnp.float32)
+  want = _finish(c, t, topk, method="top_k")
+  got = _finish(c, t, topk, method="select", interpret=True)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -54,6 +54,9 @@ class Config:
     min_candidates: the smallest candidate buffer.
     chunk_bytes: candidate-buffer bytes per query chunk; bounds the working memory.
     rescue_rows: rows per step of the exact fallback.
+    finish: how the exact finish ranks a row's strict candidates: "select" (the k-th score by a
+      bitwise search, then a sort of the `topk` winners: `pallas_kernels.flash_topk.select`) or
+      "top_k" (`lax.top_k` over the whole buffer). Same result.
   """
 
   block_rows: int | None = None
@@ -66,8 +69,11 @@ class Config:
   min_candidates: int = 1024
   chunk_bytes: int = 256 << 20
   rescue_rows: int = 16
+  finish: str = "select"
 
   def __post_init__(self):
+    if self.finish not in ("select", "top_k"):
+      raise ValueError(f"Config.finish={self.finish!r} must be 'select' or 'top_k'.")
     for name in ("block_rows", "block_k", "candidates", "min_candidates"):
       value = getattr(self, name)
       if value is not None and (value < 1 or value & (value - 1)):

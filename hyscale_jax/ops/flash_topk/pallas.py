@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from hyscale_jax.ops import _streaming as st
 from hyscale_jax.ops.flash_topk.reference import default_key_chunk, pad_keys, topk_rows
-from pallas_kernels.flash_topk import Candidates, Config, flash_topk_candidates, next_power_of_two
+from pallas_kernels.flash_topk import Candidates, Config, flash_topk_candidates, next_power_of_two, select_candidates
 
 
 def flash_topk_pallas(q, k, weights, *, topk, compress_ratio=1, q_offset=0, segment_ids=None,
@@ -98,7 +98,7 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, *, topk, compress_ratio, sca
         rows(q, start), k, rows(weights, start), t_c, q_offset=q_offset + start,
         segment_ids=None if q_seg is None else (rows(q_seg, start), kv_seg), topk=topk,
         compress_ratio=compress_ratio, scale=scale, slots=slots, config=config, interpret=interpret)
-    found = (*_finish(candidates, t_c, topk), candidates.n_above)
+    found = (*_finish(candidates, t_c, topk, method=config.finish, interpret=interpret), candidates.n_above)
     return tuple(jax.lax.dynamic_update_slice_in_dim(o, f, start, 1) for o, f in zip(outs, found))
 
   outs = (jnp.zeros((B, Tq, topk), jnp.int32), jnp.zeros((B, Tq, topk), jnp.float32),
@@ -131,13 +131,26 @@ def _threshold(q, k, weights, q_offset, q_seg, kv_seg, *, topk, compress_ratio, 
   return sample_scores[..., rank - 1]
 
 
-def _finish(c: Candidates, threshold, topk):
-  """(indices, scores, exact): the top-k from the candidates, and whether the counts prove it."""
-  slots, tie_slots = c.indices.shape[-1], c.tie_indices.shape[-1]
+def _finish(c: Candidates, threshold, topk, *, method="select", interpret=False):
+  """(indices, scores, exact): the top-k from the candidates, and whether the counts prove it.
+
+  `method` ranks the strict candidates (`Config.finish`): "select" keeps each row's `topk` best
+  with `select_candidates` and sorts only those (stable: equal scores keep slot order, lower key
+  first); "top_k" runs `lax.top_k` over the whole buffer (the same rule). Same result either way.
+  """
+  B, Tq, slots = c.indices.shape
+  tie_slots = c.tie_indices.shape[-1]
   n_kept = jnp.minimum(c.n_above, slots)[..., None]
-  score = jnp.where(jnp.arange(slots) < n_kept, c.scores, -jnp.inf)
-  best, slot = jax.lax.top_k(score, min(topk, slots))  # equal scores: lower slot = lower key first
-  best_idx = jnp.take_along_axis(c.indices, slot, axis=-1)
+  if method == "select" and slots > topk:
+    best, best_idx, n_best = select_candidates(c.scores.reshape(B * Tq, slots), c.indices.reshape(B * Tq, slots),
+                                               n_kept.reshape(-1), topk, interpret=interpret)
+    kept = jnp.arange(topk) < n_best[:, None]
+    neg_best, best_idx = jax.lax.sort((jnp.where(kept, -best, jnp.inf), best_idx), num_keys=1, is_stable=True)
+    best, best_idx = (-neg_best).reshape(B, Tq, topk), best_idx.reshape(B, Tq, topk)
+  else:
+    score = jnp.where(jnp.arange(slots) < n_kept, c.scores, -jnp.inf)
+    best, slot = jax.lax.top_k(score, min(topk, slots))  # equal scores: lower slot = lower key first
+    best_idx = jnp.take_along_axis(c.indices, slot, axis=-1)
   best, best_idx = st.pad_axis(best, 2, topk, -jnp.inf), st.pad_axis(best_idx, 2, topk, -1)
   j = jnp.arange(topk)
   from_above = j < n_kept

@@ -1,0 +1,94 @@
+"""The exact top-k of each row's candidate buffer, in slot order: a bitwise search for the k-th score.
+
+FlashTopK's main pass leaves each row a buffer of (key, score) candidates, in key order, about twice
+`topk` of them in `slots` (4 x topk) places. `lax.top_k` over that buffer sorts all `slots` entries
+per row (37.8 of the backend's 172.4 ms at T=64K on the H200, bench/NOTES.md). This kernel finds
+each row's k-th largest score instead, with no sort: scores map to unsigned integers in the same
+order, and 32 passes over the row (held in registers) build the k-th one's bits from the top down,
+each keeping a bit if at least `topk` entries are >= the prefix with it set. It then writes the
+entries above the k-th score and the first of those equal to it, `topk` at most, in slot order, so
+only the `topk` winners are left to sort (`lax.sort`, stable, in XLA).
+
+Ties: among entries equal to the k-th score the lower slots win, which is `lax.top_k`'s rule.
+Scores are f32 and never NaN here (the main pass ranks NaN as -inf); -0 has been folded to +0.
+Everything is plain Pallas with BlockSpecs, so `interpret=True` runs it on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.flash_topk.flash_topk import next_power_of_two
+
+
+def ordered_bits(scores: jax.Array) -> jax.Array:
+  """u32 keys in the order of the f32 `scores`: a > b iff key(a) > key(b) (for non-NaN, +0 == -0 aside)."""
+  bits = jax.lax.bitcast_convert_type(scores, jnp.uint32)
+  negative = (bits >> 31) == 1
+  return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _select_kernel(n_ref, score_ref, index_ref, out_score_ref, out_index_ref, n_out_ref, *, slots, topk, width):
+  # One row: n_ref [1] valid entries; score_ref / index_ref [slots]; outputs [width >= topk] and n_out [1].
+  score = score_ref[...]
+  valid = jax.lax.broadcasted_iota(jnp.int32, (slots,), 0) < n_ref[0]
+  # Valid entries have keys >= 1 (the all-ones pattern is a NaN), so 0 marks the empty slots.
+  key = jnp.where(valid, ordered_bits(score), jnp.uint32(0))
+  kth = jnp.uint32(0)
+  for bit in range(31, -1, -1):  # unrolled: a static shift per pass
+    trial = kth | jnp.uint32(1 << bit)
+    enough = jnp.sum((key >= trial).astype(jnp.int32)) >= topk
+    kth = jnp.where(enough, trial, kth)
+  # kth is the topk-th largest key, or 0 when fewer than topk entries are valid (then all are taken).
+  above = key > kth
+  tied = valid & (key == kth)
+  room = topk - jnp.sum(above.astype(jnp.int32))
+  take = above | (tied & (jnp.cumsum(tied.astype(jnp.int32)) <= room))
+  slot = jnp.cumsum(take.astype(jnp.int32)) - 1
+  # Lanes not taken point past the row: Triton skips them under the mask, and interpret mode (which
+  # writes every lane, masked ones with the old value) drops out-of-bounds writes.
+  target = jnp.where(take, slot, width)
+  plgpu.store(out_score_ref.at[target], score, mask=take)
+  plgpu.store(out_index_ref.at[target], index_ref[...], mask=take)
+  n_out_ref[...] = jnp.sum(take.astype(jnp.int32)).reshape(1)
+
+
+def select_candidates(scores: jax.Array, indices: jax.Array, n_valid: jax.Array, topk: int, *,
+                      num_warps: int = 8, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Each row's `topk` best valid entries, in slot order.
+
+  Args:
+    scores: f32[R, S] candidate scores (S a power of two, S > topk); entries at or past a row's
+      `n_valid` are ignored.
+    indices: i32[R, S] what each entry stands for (the key index).
+    n_valid: i32[R] valid entries per row (clipped to S).
+    topk: how many to keep.
+    num_warps: Triton warps per row (8: the row's S scores and keys in registers).
+    interpret: run in Pallas interpret mode (CPU).
+
+  Returns:
+    (scores f32[R, topk], indices i32[R, topk], n i32[R]): the winners in slot order in the first
+    n = min(topk, n_valid) places; the places past n are unspecified (the caller masks them).
+  """
+  R, S = scores.shape
+  if S & (S - 1) or S <= topk:
+    raise ValueError(f"select_candidates: the buffer width S={S} must be a power of two above topk={topk}.")
+  width = next_power_of_two(topk)  # Triton blocks are powers of two; the places past topk stay unwritten
+  row = lambda n: pl.BlockSpec((None, n), lambda r: (r, 0))
+  out_score, out_index, n_out = pl.pallas_call(
+      functools.partial(_select_kernel, slots=S, topk=topk, width=width),
+      out_shape=(jax.ShapeDtypeStruct((R, width), jnp.float32), jax.ShapeDtypeStruct((R, width), jnp.int32),
+                 jax.ShapeDtypeStruct((R, 1), jnp.int32)),
+      grid=(R,),
+      in_specs=[row(1), row(S), row(S)],
+      out_specs=(row(width), row(width), row(1)),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret,
+      name="hyscale_flash_topk_select",
+  )(jnp.minimum(n_valid, S).astype(jnp.int32).reshape(R, 1), scores, indices)
+  return out_score[:, :topk], out_index[:, :topk], n_out[:, 0]
