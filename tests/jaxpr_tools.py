@@ -1,6 +1,18 @@
-"""Jaxpr walking for the memory and structure tests: every equation, sub-jaxprs included."""
+"""Jaxpr walking for the memory and structure tests (every equation, sub-jaxprs included), and
+exporting a function's GPU kernels for an abstract H200 on this CPU."""
 
+import jax
 import numpy as np
+
+
+def export_for_h200(fn, *args):
+  """`fn` exported for CUDA on this CPU: Pallas lowers its kernels to Triton IR for an abstract H200
+  (Triton's own compile to PTX is left to the device)."""
+  h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200, axis_types=(jax.sharding.AxisType.Auto,))
+  triton = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=triton)(*args)
 
 
 def _as_jaxpr(value):

@@ -24,9 +24,11 @@ from pallas_kernels.gated_delta_rule import (
 )
 
 try:
+  from tests.jaxpr_tools import export_for_h200
   from tests.oracles import gated_delta_rule_oracle
   from tests.test_gated_delta_rule import _inputs, _loss
 except ImportError:  # tests/ itself is on sys.path
+  from jaxpr_tools import export_for_h200
   from oracles import gated_delta_rule_oracle
   from test_gated_delta_rule import _inputs, _loss
 
@@ -189,7 +191,7 @@ def test_pallas_backend_lowers_for_cuda(T, monkeypatch):
                                       return_final_state=True, backend="pallas")
     return jnp.sum(out.astype(jnp.float32)) + jnp.sum(state)
 
-  exported = _export_for_h200(jax.grad(loss, range(5)), *args)
+  exported = export_for_h200(jax.grad(loss, range(5)), *args)
   names = re.findall(r'name = "(hyscale_[a-z_]+)"', exported.mlir_module())
   assert sorted(names) == ["hyscale_gated_delta_rule_bwd", "hyscale_gated_delta_rule_fwd"]
   assert [tuple(a.shape) for a in exported.out_avals] == [tuple(a.shape) for a in args[:5]]
@@ -207,19 +209,9 @@ def test_kernel_configs_lower_for_cuda(config, monkeypatch):
     out, states, final = gated_delta_rule_scan_fwd(terms, state0, chunk=C, config=config)
     return out, states, gated_delta_rule_scan_bwd(terms, dout, final, chunk=C, config=config)
 
-  exported = _export_for_h200(both, terms, f32(BH, D, D), f32(BH, n * C, D))
+  exported = export_for_h200(both, terms, f32(BH, D, D), f32(BH, n * C, D))
   assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 2
   assert [tuple(a.shape) for a in exported.out_avals] == [(BH, n * C, D), (BH, n, D, D)] * 2 + [(BH, D, D)]
-
-
-def _export_for_h200(fn, *args):
-  """`fn` exported for CUDA on this CPU: Pallas lowers its kernels to Triton IR for an abstract H200
-  (Triton's own compile to PTX is left to the device)."""
-  h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200, axis_types=(jax.sharding.AxisType.Auto,))
-  triton = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-  with jax.sharding.use_abstract_mesh(mesh):
-    return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=triton)(*args)
 
 
 # ---- GPU only: compiled Triton kernels at real shapes ----
