@@ -454,3 +454,12 @@ def test_both_finishes_agree_on_random_candidates():
   got = _finish(c, t, topk, method="select", interpret=True)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_ordered_bits_orders_like_the_scores_and_inverts():
+  from pallas_kernels.flash_topk import from_ordered_bits, ordered_bits  # noqa: PLC0415
+
+  values = np.float32([-np.inf, -3e38, -1.0, -1e-38, -1e-45, 0.0, 1e-45, 1e-38, 0.5, 1.0, 3e38, np.inf])
+  keys = np.asarray(ordered_bits(jnp.asarray(values)))
+  assert (np.diff(keys.astype(np.int64)) > 0).all() and keys.min() >= 1
+  np.testing.assert_array_equal(np.asarray(from_ordered_bits(jnp.asarray(keys))), values)

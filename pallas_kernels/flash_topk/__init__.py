@@ -3,6 +3,7 @@
 from pallas_kernels.flash_topk.flash_topk import (
     Candidates, Config, flash_topk_candidates, next_power_of_two,
 )
-from pallas_kernels.flash_topk.select import select_candidates
+from pallas_kernels.flash_topk.select import from_ordered_bits, ordered_bits, select_candidates
 
-__all__ = ["Candidates", "Config", "flash_topk_candidates", "next_power_of_two", "select_candidates"]
+__all__ = ["Candidates", "Config", "flash_topk_candidates", "from_ordered_bits", "next_power_of_two",
+           "ordered_bits", "select_candidates"]

@@ -33,6 +33,12 @@ def ordered_bits(scores: jax.Array) -> jax.Array:
   return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
 
 
+def from_ordered_bits(keys: jax.Array) -> jax.Array:
+  """The f32 scores of `ordered_bits` keys (its inverse)."""
+  positive = (keys >> 31) == 1
+  return jax.lax.bitcast_convert_type(jnp.where(positive, keys & jnp.uint32(0x7FFFFFFF), ~keys), jnp.float32)
+
+
 def _select_kernel(n_ref, score_ref, index_ref, out_score_ref, out_index_ref, n_out_ref, *, slots, topk, width):
   # One row: n_ref [1] valid entries; score_ref / index_ref [slots]; outputs [width >= topk] and n_out [1].
   score = score_ref[...]

@@ -28,7 +28,9 @@ import jax.numpy as jnp
 
 from hyscale_jax.ops import _streaming as st
 from hyscale_jax.ops.flash_topk.reference import default_key_chunk, pad_keys, topk_rows
-from pallas_kernels.flash_topk import Candidates, Config, flash_topk_candidates, next_power_of_two, select_candidates
+from pallas_kernels.flash_topk import (
+    Candidates, Config, flash_topk_candidates, from_ordered_bits, next_power_of_two, ordered_bits, select_candidates,
+)
 
 
 def flash_topk_pallas(q, k, weights, *, topk, compress_ratio=1, q_offset=0, segment_ids=None,
@@ -145,8 +147,11 @@ def _finish(c: Candidates, threshold, topk, *, method="select", interpret=False)
     best, best_idx, n_best = select_candidates(c.scores.reshape(B * Tq, slots), c.indices.reshape(B * Tq, slots),
                                                n_kept.reshape(-1), topk, interpret=interpret)
     kept = jnp.arange(topk) < n_best[:, None]
-    neg_best, best_idx = jax.lax.sort((jnp.where(kept, -best, jnp.inf), best_idx), num_keys=1, is_stable=True)
-    best, best_idx = (-neg_best).reshape(B, Tq, topk), best_idx.reshape(B, Tq, topk)
+    # Descending scores as ascending u32 keys (the empty places last): a plain integer compare,
+    # which XLA can hand to a radix sort; stable, so equal scores keep key order.
+    key = jnp.where(kept, ~ordered_bits(best), jnp.uint32(0xFFFFFFFF))
+    key, best_idx = jax.lax.sort((key, best_idx), num_keys=1, is_stable=True)
+    best, best_idx = from_ordered_bits(~key).reshape(B, Tq, topk), best_idx.reshape(B, Tq, topk)
   else:
     score = jnp.where(jnp.arange(slots) < n_kept, c.scores, -jnp.inf)
     best, slot = jax.lax.top_k(score, min(topk, slots))  # equal scores: lower slot = lower key first
