@@ -4,6 +4,7 @@ Run on the H200 (one call per mode; every figure in a table comes from the same 
 
   python bench/flash_topk.py check                 # GPU correctness: bit-exact on integer inputs
   python bench/flash_topk.py tune --seq 16384      # main-pass configs at one shape
+  python bench/flash_topk.py select --seq 16384    # the finish's selection kernel: rows per program x warps
   python bench/flash_topk.py table --shapes dsa16k dsa64k glm64k --out flash_topk.json
   python bench/flash_topk.py table --smoke --out /tmp/smoke.json   # tiny shapes on CPU (interpret), seconds
 
@@ -28,7 +29,7 @@ sys.path.insert(0, "bench")
 from hyscale_jax import ops  # noqa: E402
 from hyscale_jax.ops.flash_topk import pallas as topk_pallas  # noqa: E402
 from hyscale_jax.ops.flash_topk.pallas import flash_topk_pallas_with_stats  # noqa: E402
-from pallas_kernels.flash_topk import Config, flash_topk_candidates  # noqa: E402
+from pallas_kernels.flash_topk import Config, flash_topk_candidates, ordered_bits, select_candidates  # noqa: E402
 from timing import timed  # noqa: E402
 
 # name -> (T, H, D, topk, compress_ratio, weights?)
@@ -143,7 +144,14 @@ def run_breakdown(T, config, topk=2048):
   finish_top_k = jax.jit(lambda c, t: topk_pallas._finish(c, t, topk, method="top_k"))
   top_k_only = jax.jit(lambda s: jax.lax.top_k(s, topk))
   cands = main(q, k, w, t)
-  times = dict(threshold=timed(threshold, q, k, w, reps=3), main_pass=timed(main, q, k, w, t, reps=3),
+  rows = cands.scores.shape[0] * cands.scores.shape[1]
+  flat = lambda x: x.reshape(rows, -1)
+  n_kept = jnp.minimum(cands.n_above, slots).reshape(rows)
+  select_alone = jax.jit(lambda s, i, n: select_candidates(s, i, n, topk))
+  winners = select_alone(flat(cands.scores), flat(cands.indices), n_kept)
+  sort_alone = jax.jit(lambda s, i: jax.lax.sort((~ordered_bits(s), i), num_keys=1, is_stable=True))
+  times = dict(select_alone=timed(select_alone, flat(cands.scores), flat(cands.indices), n_kept, reps=3),
+               sort_alone=timed(sort_alone, winners[0], winners[1], reps=3),threshold=timed(threshold, q, k, w, reps=3), main_pass=timed(main, q, k, w, t, reps=3),
                finish_unchunked=timed(finish, cands, t, reps=3),
                finish_top_k_unchunked=timed(finish_top_k, cands, t, reps=3), top_k_alone=timed(top_k_only, cands.scores),
                full=timed(full, q, k, w, reps=3), ceiling=timed(ceiling, q, k, w, reps=3))
@@ -154,6 +162,37 @@ def run_breakdown(T, config, topk=2048):
              candidates_per_row=float(stats["candidates_per_row"]), rescued=int(stats["rescued"]))
   print(row, flush=True)
   return [row]
+
+
+def run_select(T, config, topk=2048):
+  """The finish's selection kernel alone on the main pass's real candidates: rows per program x warps."""
+  q, k, w = inputs(T, 64, 128, 1, True)
+  scale, slots = 128**-0.5, config.candidate_slots(topk, T)
+  t = jax.jit(lambda q, k, w: topk_pallas._threshold(
+      q, k, w, jnp.int32(0), None, None, topk=topk, compress_ratio=1, scale=scale, slots=slots, config=config,
+      interpret=False))(q, k, w)
+  cands = jax.jit(lambda q, k, w, t: flash_topk_candidates(
+      q, k, w, t, q_offset=0, segment_ids=None, topk=topk, compress_ratio=1, scale=scale, slots=slots,
+      config=config, interpret=False))(q, k, w, t)
+  scores, indices = (x.reshape(-1, slots) for x in (cands.scores, cands.indices))
+  n_kept = jnp.minimum(cands.n_above, slots).reshape(-1)
+  rows, first = [], None
+  for rows_per_program, num_warps in ((1, 4), (1, 8), (2, 8), (4, 8), (2, 16), (4, 16)):
+    fn = jax.jit(functools.partial(select_candidates, topk=topk, rows_per_program=rows_per_program,
+                                   num_warps=num_warps))
+    try:
+      out = fn(scores, indices, n_kept)
+      first = first or out
+      same = all(bool(jnp.array_equal(jnp.where(jnp.arange(topk) < out[2][:, None], a, 0),
+                                      jnp.where(jnp.arange(topk) < first[2][:, None], b, 0)))
+                 for a, b in zip(out[:2], first[:2])) and bool(jnp.array_equal(out[2], first[2]))
+      row = dict(T=T, rows_per_program=rows_per_program, num_warps=num_warps,
+                 ms=timed(fn, scores, indices, n_kept, reps=5) * 1e3, same_as_first=same)
+    except Exception as e:  # a config Triton cannot compile: report it and go on
+      row = dict(T=T, rows_per_program=rows_per_program, num_warps=num_warps, error=f"{type(e).__name__}: {str(e)[:200]}")
+    print(row, flush=True)
+    rows.append(row)
+  return rows
 
 
 def run_memory(shapes, config):
@@ -229,7 +268,7 @@ def run_table(shapes, config, reps, skip):
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("mode", nargs="?", default="table", choices=("check", "tune", "breakdown", "memory", "table"))
+  parser.add_argument("mode", nargs="?", default="table", choices=("check", "tune", "breakdown", "select", "memory", "table"))
   parser.add_argument("--seq", type=int, default=16384)
   parser.add_argument("--shapes", nargs="+", default=["dsa16k", "dsa64k"])
   parser.add_argument("--only", nargs="*", default=None, help="variants to run (default: all)")
@@ -247,6 +286,8 @@ def main():
     rows = run_memory(args.shapes, Config(**args.config))
   elif args.mode == "breakdown":
     rows = run_breakdown(args.seq, Config(**args.config))
+  elif args.mode == "select":
+    rows = run_select(args.seq, Config(**args.config))
   elif args.mode == "tune":
     configs = [Config(block_rows=r, block_k=bk, num_warps=nw, num_stages=ns)
                for r, bk, nw, ns in [(64, 64, 4, 2), (64, 128, 4, 2), (64, 64, 2, 2), (64, 64, 8, 2),

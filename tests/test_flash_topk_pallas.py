@@ -407,8 +407,8 @@ def _select_oracle(scores, n_valid, topk):
   return out
 
 
-@pytest.mark.parametrize("topk", [6, 16])
-def test_select_candidates_keeps_the_topk_in_slot_order(topk):
+@pytest.mark.parametrize("topk, rows_per_program", [(6, 1), (16, 4)])
+def test_select_candidates_keeps_the_topk_in_slot_order(topk, rows_per_program):
   """Ties (the zero plateau, all-equal rows, ties straddling the k-th place), +-inf, negative
   scores, and rows with fewer valid entries than topk, none, or a count past the buffer."""
   from pallas_kernels.flash_topk import select_candidates  # noqa: PLC0415
@@ -424,7 +424,8 @@ def test_select_candidates_keeps_the_topk_in_slot_order(topk):
   scores[6] = -rng.random(S).astype(np.float32)
   n_valid = np.asarray([S, S, 25, S, 20, S, topk - 1, 0, 1000], np.int32)
   indices = rng.permutation(9 * S).astype(np.int32).reshape(9, S)
-  got_s, got_i, got_n = jax.jit(functools.partial(select_candidates, topk=topk, interpret=True))(
+  select = functools.partial(select_candidates, topk=topk, rows_per_program=rows_per_program, interpret=True)
+  got_s, got_i, got_n = jax.jit(select)(  # 9 rows: the last program's rows are partly padding
       jnp.asarray(scores), jnp.asarray(indices), jnp.asarray(n_valid))
   got_s, got_i, got_n = (np.asarray(x) for x in (got_s, got_i, got_n))
   for r, slots in enumerate(_select_oracle(scores, n_valid, topk)):

@@ -39,33 +39,37 @@ def from_ordered_bits(keys: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(jnp.where(positive, keys & jnp.uint32(0x7FFFFFFF), ~keys), jnp.float32)
 
 
-def _select_kernel(n_ref, score_ref, index_ref, out_score_ref, out_index_ref, n_out_ref, *, slots, topk, width):
-  # One row: n_ref [1] valid entries; score_ref / index_ref [slots]; outputs [width >= topk] and n_out [1].
+def _select_kernel(n_ref, score_ref, index_ref, out_score_ref, out_index_ref, n_out_ref, *, rows, slots, topk,
+                   width):
+  # `rows` rows: n_ref [rows] valid entries; score_ref / index_ref [rows, slots]; outputs [rows * width]
+  # (width >= topk places per row, flat so one scatter serves every row) and n_out [rows].
   score = score_ref[...]
-  valid = jax.lax.broadcasted_iota(jnp.int32, (slots,), 0) < n_ref[0]
+  valid = jax.lax.broadcasted_iota(jnp.int32, (rows, slots), 1) < n_ref[...][:, None]
   # Valid entries have keys >= 1 (the all-ones pattern is a NaN), so 0 marks the empty slots.
   key = jnp.where(valid, ordered_bits(score), jnp.uint32(0))
-  kth = jnp.uint32(0)
+  kth = jnp.zeros((rows,), jnp.uint32)
   for bit in range(31, -1, -1):  # unrolled: a static shift per pass
     trial = kth | jnp.uint32(1 << bit)
-    enough = jnp.sum((key >= trial).astype(jnp.int32)) >= topk
+    enough = jnp.sum((key >= trial[:, None]).astype(jnp.int32), axis=1) >= topk
     kth = jnp.where(enough, trial, kth)
-  # kth is the topk-th largest key, or 0 when fewer than topk entries are valid (then all are taken).
-  above = key > kth
-  tied = valid & (key == kth)
-  room = topk - jnp.sum(above.astype(jnp.int32))
-  take = above | (tied & (jnp.cumsum(tied.astype(jnp.int32)) <= room))
-  slot = jnp.cumsum(take.astype(jnp.int32)) - 1
-  # Lanes not taken point past the row: Triton skips them under the mask, and interpret mode (which
+  # kth is each row's topk-th largest key, or 0 when fewer than topk entries are valid (then all are taken).
+  above = key > kth[:, None]
+  tied = valid & (key == kth[:, None])
+  room = topk - jnp.sum(above.astype(jnp.int32), axis=1)
+  take = above | (tied & (jnp.cumsum(tied.astype(jnp.int32), axis=1) <= room[:, None]))
+  slot = jnp.cumsum(take.astype(jnp.int32), axis=1) - 1
+  # Lanes not taken point past the block: Triton skips them under the mask, and interpret mode (which
   # writes every lane, masked ones with the old value) drops out-of-bounds writes.
-  target = jnp.where(take, slot, width)
+  row = jax.lax.broadcasted_iota(jnp.int32, (rows, slots), 0)
+  target = jnp.where(take, row * width + slot, rows * width)
   plgpu.store(out_score_ref.at[target], score, mask=take)
   plgpu.store(out_index_ref.at[target], index_ref[...], mask=take)
-  n_out_ref[...] = jnp.sum(take.astype(jnp.int32)).reshape(1)
+  n_out_ref[...] = jnp.sum(take.astype(jnp.int32), axis=1)
 
 
 def select_candidates(scores: jax.Array, indices: jax.Array, n_valid: jax.Array, topk: int, *,
-                      num_warps: int = 8, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                      rows_per_program: int = 1, num_warps: int = 8,
+                      interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Each row's `topk` best valid entries, in slot order.
 
   Args:
@@ -74,7 +78,9 @@ def select_candidates(scores: jax.Array, indices: jax.Array, n_valid: jax.Array,
     indices: i32[R, S] what each entry stands for (the key index).
     n_valid: i32[R] valid entries per row (clipped to S).
     topk: how many to keep.
-    num_warps: Triton warps per row (8: the row's S scores and keys in registers).
+    rows_per_program: rows each program searches together (a power of two; more rows share each
+      pass's reduction latency, at more registers per thread).
+    num_warps: Triton warps per program (8: a row's 8192 scores and keys in registers).
     interpret: run in Pallas interpret mode (CPU).
 
   Returns:
@@ -84,17 +90,24 @@ def select_candidates(scores: jax.Array, indices: jax.Array, n_valid: jax.Array,
   R, S = scores.shape
   if S & (S - 1) or S <= topk:
     raise ValueError(f"select_candidates: the buffer width S={S} must be a power of two above topk={topk}.")
+  rows = rows_per_program
+  if rows < 1 or rows & (rows - 1):
+    raise ValueError(f"select_candidates: rows_per_program={rows} must be a power of two.")
   width = next_power_of_two(topk)  # Triton blocks are powers of two; the places past topk stay unwritten
-  row = lambda n: pl.BlockSpec((None, n), lambda r: (r, 0))
+  R_pad = -(-R // rows) * rows
+  pad = lambda x: jnp.pad(x, ((0, R_pad - R),) + ((0, 0),) * (x.ndim - 1))
   out_score, out_index, n_out = pl.pallas_call(
-      functools.partial(_select_kernel, slots=S, topk=topk, width=width),
-      out_shape=(jax.ShapeDtypeStruct((R, width), jnp.float32), jax.ShapeDtypeStruct((R, width), jnp.int32),
-                 jax.ShapeDtypeStruct((R, 1), jnp.int32)),
-      grid=(R,),
-      in_specs=[row(1), row(S), row(S)],
-      out_specs=(row(width), row(width), row(1)),
+      functools.partial(_select_kernel, rows=rows, slots=S, topk=topk, width=width),
+      out_shape=(jax.ShapeDtypeStruct((R_pad * width,), jnp.float32),
+                 jax.ShapeDtypeStruct((R_pad * width,), jnp.int32), jax.ShapeDtypeStruct((R_pad,), jnp.int32)),
+      grid=(R_pad // rows,),
+      in_specs=[pl.BlockSpec((rows,), lambda r: (r,)), pl.BlockSpec((rows, S), lambda r: (r, 0)),
+                pl.BlockSpec((rows, S), lambda r: (r, 0))],
+      out_specs=(pl.BlockSpec((rows * width,), lambda r: (r,)), pl.BlockSpec((rows * width,), lambda r: (r,)),
+                 pl.BlockSpec((rows,), lambda r: (r,))),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="hyscale_flash_topk_select",
-  )(jnp.minimum(n_valid, S).astype(jnp.int32).reshape(R, 1), scores, indices)
-  return out_score[:, :topk], out_index[:, :topk], n_out[:, 0]
+  )(pad(jnp.minimum(n_valid, S).astype(jnp.int32)), pad(scores), pad(indices))
+  unflat = lambda x: x.reshape(R_pad, width)[:R, :topk]
+  return unflat(out_score), unflat(out_index), n_out[:R]
