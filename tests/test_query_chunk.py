@@ -128,6 +128,8 @@ def test_ffn_chunks_give_the_whole_block(family):
   module = __import__(f"configs.{family}", fromlist=["get_config"])
   base = ModelConfig.from_config(module.get_config("tiny").model)
   cfg = dataclasses.replace(base, index_topk=8, moe_token_chunk=0)
+  if family == "deepseek_v4_flash":  # a hash-routed layer and a CSA layer are enough
+    cfg = dataclasses.replace(cfg, n_layers=2, compress_ratios=cfg.compress_ratios[:2])
   tokens = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
   want = _model_step(cfg, tokens)
   got = _model_step(dataclasses.replace(cfg, ffn_token_chunk=CHUNK), tokens)
@@ -136,9 +138,10 @@ def test_ffn_chunks_give_the_whole_block(family):
   assert float(np.asarray(want[1]).sum()) > 0
   for (path, g), (_, w) in zip(*(jax.tree_util.tree_leaves_with_path(t) for t in (got[2], want[2]))):
     scale, name = max(float(jnp.abs(w).max()), 1e-30), jax.tree_util.keystr(path)
-    # The mHC head's gradients are sums of large terms of both signs: any regrouping of the f32
-    # arithmetic moves them by ~1e-4 of their scale (the MoE's own token chunks do the same).
-    np.testing.assert_allclose(g / scale, w / scale, atol=5e-4 if "hc_head" in name else 2e-5, err_msg=name)
+    # The mHC connections' gradients are sums of large terms of both signs: any regrouping of the
+    # f32 arithmetic moves them by ~1e-4 of their scale (the MoE's own token chunks do the same).
+    hyper_connection = "hc_head" in name or "_hc'" in name
+    np.testing.assert_allclose(g / scale, w / scale, atol=5e-4 if hyper_connection else 2e-5, err_msg=name)
 
 
 def test_ffn_chunk_not_dividing_the_length_is_named():
