@@ -145,10 +145,7 @@ class LayerBytes(NamedTuple):
     A length a chunk does not divide counts as unchunked here (the layer itself raises).
     """
     def chunked(chunk_of):
-      try:
-        chunk = chunk_of(seq_len)
-      except ValueError:
-        chunk = 0
+      chunk = _chunk_at(chunk_of, seq_len)
       return rows * chunk / seq_len if chunk else rows
 
     return rows * self.whole + chunked(cfg.query_chunk) * self.query + chunked(cfg.ffn_chunk) * self.ffn
@@ -203,12 +200,18 @@ def _layer_bytes_per_token(cfg: ModelConfig, layer: int) -> LayerBytes:
                     ffn=mlp * a + cfg.n_routed_experts * 4)
 
 
-def _runs_in_chunks(cfg: ModelConfig, seq_len: int) -> bool:
-  """Whether the layers run over query or FFN chunks at this length (a chunk that does not divide it: no)."""
+def _chunk_at(chunk_of, seq_len: int) -> int:
+  """`chunk_of(seq_len)` (`ModelConfig.query_chunk` or `ffn_chunk`), with 0 for a chunk that does not
+  divide the length: the estimate counts it unchunked (the layer itself raises)."""
   try:
-    return bool(cfg.query_chunk(seq_len) or cfg.ffn_chunk(seq_len))
+    return chunk_of(seq_len)
   except ValueError:
-    return False
+    return 0
+
+
+def _runs_in_chunks(cfg: ModelConfig, seq_len: int) -> bool:
+  """Whether the layers run over query or FFN chunks at this length."""
+  return bool(_chunk_at(cfg.query_chunk, seq_len) or _chunk_at(cfg.ffn_chunk, seq_len))
 
 
 def _indexer_grads(cfg: ModelConfig, seq_len: int) -> float:
@@ -220,10 +223,7 @@ def _indexer_grads(cfg: ModelConfig, seq_len: int) -> float:
   if not cfg.indexer_loss_grad_in_forward:
     return 0.0
   a = jnp.dtype(cfg.dtype).itemsize
-  try:
-    chunk = cfg.query_chunk(seq_len)
-  except ValueError:
-    chunk = 0
+  chunk = _chunk_at(cfg.query_chunk, seq_len)
   key_grads = seq_len // chunk if chunk else 1
   return (cfg.index_n_heads * (cfg.index_head_dim + 1) + key_grads * cfg.index_head_dim) * a
 
