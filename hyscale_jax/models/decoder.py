@@ -32,6 +32,11 @@ def _enter(connection, x):
   return (x, None) if connection is None else connection.enter(x)
 
 
+def _prenorm(norm, h):
+  """The block's RMSNorm of h, or h itself where a hyper-connection replaced the pre-norm (`norm` None)."""
+  return h if norm is None else norm(h)
+
+
 def _leave(connection, x, block_output, mix):
   """The residual after a block: x + output, or the connection's stream update."""
   return x + block_output if connection is None else connection.leave(x, block_output, mix)
@@ -103,13 +108,12 @@ class DecoderLayer(nnx.Module):
     """x [B, T, D] (or streams [B, T, N, D]) -> (x like the input, indices or None, indexer_loss or None,
     expert_load f32[E] or None). `token_ids` i32[B, T]: the input tokens, read by hash-routed MoE layers
     and `ple`."""
-    prenorm = lambda norm, h: h if norm is None else norm(h)
     if self.ple is not None:
       if token_ids is None:
         raise ValueError("DecoderLayer: this layer has an n-gram embedding (`ple`) and needs token_ids=i32[B, T].")
       x = x + self.ple(x, token_ids, segment_ids)
     h, mix = _enter(self.attn_hc, x)
-    attn = self.self_attn(prenorm(self.input_layernorm, h), positions, segment_ids, dense=dense,
+    attn = self.self_attn(_prenorm(self.input_layernorm, h), positions, segment_ids, dense=dense,
                           shared_indices=shared_indices, backends=backends)
     x = _leave(self.attn_hc, x, attn.out, mix)
     x, load = self._chunked_ffn(x, token_ids, backends)
@@ -118,10 +122,8 @@ class DecoderLayer(nnx.Module):
   def _ffn(self, x, token_ids, backends):
     """The FFN sub-block on residual rows x [B, t, ...]: (the residual after it, expert_load f32[E] or None)."""
     h, mix = _enter(self.mlp_hc, x)
-    if self.post_attention_layernorm is not None:
-      h = self.post_attention_layernorm(h)
     moe_args = {"token_ids": token_ids} if isinstance(self.mlp, MoE) else {}
-    ffn = self.mlp(h, backends=backends, **moe_args)
+    ffn = self.mlp(_prenorm(self.post_attention_layernorm, h), backends=backends, **moe_args)
     ffn, load = ffn if isinstance(ffn, tuple) else (ffn, None)
     return _leave(self.mlp_hc, x, ffn, mix), load
 
