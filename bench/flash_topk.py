@@ -124,34 +124,44 @@ def run_tune(T, configs):
   return rows
 
 
+def threshold_and_main_pass(topk, slots, config):
+  """The Pallas backend's first two stages at scale 1/sqrt(128), jitted: (q, k, w) -> t and (q, k, w, t) -> Candidates."""
+  scale = 128**-0.5
+  threshold = jax.jit(lambda q, k, w: topk_pallas._threshold(
+      q, k, w, jnp.int32(0), None, None, topk=topk, compress_ratio=1, scale=scale, slots=slots, config=config,
+      interpret=False))
+  main = jax.jit(lambda q, k, w, t: flash_topk_candidates(
+      q, k, w, t, q_offset=0, segment_ids=None, topk=topk, compress_ratio=1, scale=scale, slots=slots,
+      config=config, interpret=False))
+  return threshold, main
+
+
+def flat_candidates(cands, slots):
+  """(scores f32[R, slots], indices i32[R, slots], kept i32[R]) of the candidates, rows flattened: the finish's input."""
+  return (cands.scores.reshape(-1, slots), cands.indices.reshape(-1, slots),
+          jnp.minimum(cands.n_above, slots).reshape(-1))
+
+
 def run_breakdown(T, config, topk=2048):
   """Where the Pallas backend's time goes: threshold, main pass, finish (+ rescue) by subtraction."""
   q, k, w = inputs(T, 64, 128, 1, True)
   flops = 2 * 64 * 128 * visible_pairs(T, 1)
-  scale = 128**-0.5
   slots = config.candidate_slots(topk, T)
-  zero = jnp.int32(0)
-  threshold = jax.jit(lambda q, k, w: topk_pallas._threshold(
-      q, k, w, zero, None, None, topk=topk, compress_ratio=1, scale=scale, slots=slots, config=config,
-      interpret=False))
+  threshold, main = threshold_and_main_pass(topk, slots, config)
   t = threshold(q, k, w)
-  main = jax.jit(lambda q, k, w, t: flash_topk_candidates(
-      q, k, w, t, q_offset=0, segment_ids=None, topk=topk, compress_ratio=1, scale=scale, slots=slots,
-      config=config, interpret=False))
   full = jax.jit(pallas_fn(topk, 1, config))
   ceiling = jax.jit(ceiling_fn(topk, 1, config))
   finish = jax.jit(lambda c, t: topk_pallas._finish(c, t, topk, method=config.finish))
   finish_top_k = jax.jit(lambda c, t: topk_pallas._finish(c, t, topk, method="top_k"))
   top_k_only = jax.jit(lambda s: jax.lax.top_k(s, topk))
   cands = main(q, k, w, t)
-  rows = cands.scores.shape[0] * cands.scores.shape[1]
-  flat = lambda x: x.reshape(rows, -1)
-  n_kept = jnp.minimum(cands.n_above, slots).reshape(rows)
+  scores, indices, n_kept = flat_candidates(cands, slots)
   select_alone = jax.jit(lambda s, i, n: select_candidates(s, i, n, topk))
-  winners = select_alone(flat(cands.scores), flat(cands.indices), n_kept)
+  winners = select_alone(scores, indices, n_kept)
   sort_alone = jax.jit(lambda s, i: jax.lax.sort((~ordered_bits(s), i), num_keys=1, is_stable=True))
-  times = dict(select_alone=timed(select_alone, flat(cands.scores), flat(cands.indices), n_kept, reps=3),
-               sort_alone=timed(sort_alone, winners[0], winners[1], reps=3),threshold=timed(threshold, q, k, w, reps=3), main_pass=timed(main, q, k, w, t, reps=3),
+  times = dict(select_alone=timed(select_alone, scores, indices, n_kept, reps=3),
+               sort_alone=timed(sort_alone, winners[0], winners[1], reps=3),
+               threshold=timed(threshold, q, k, w, reps=3), main_pass=timed(main, q, k, w, t, reps=3),
                finish_unchunked=timed(finish, cands, t, reps=3),
                finish_top_k_unchunked=timed(finish_top_k, cands, t, reps=3), top_k_alone=timed(top_k_only, cands.scores),
                full=timed(full, q, k, w, reps=3), ceiling=timed(ceiling, q, k, w, reps=3))
@@ -167,15 +177,9 @@ def run_breakdown(T, config, topk=2048):
 def run_select(T, config, topk=2048):
   """The finish's selection kernel alone on the main pass's real candidates: rows per program x warps."""
   q, k, w = inputs(T, 64, 128, 1, True)
-  scale, slots = 128**-0.5, config.candidate_slots(topk, T)
-  t = jax.jit(lambda q, k, w: topk_pallas._threshold(
-      q, k, w, jnp.int32(0), None, None, topk=topk, compress_ratio=1, scale=scale, slots=slots, config=config,
-      interpret=False))(q, k, w)
-  cands = jax.jit(lambda q, k, w, t: flash_topk_candidates(
-      q, k, w, t, q_offset=0, segment_ids=None, topk=topk, compress_ratio=1, scale=scale, slots=slots,
-      config=config, interpret=False))(q, k, w, t)
-  scores, indices = (x.reshape(-1, slots) for x in (cands.scores, cands.indices))
-  n_kept = jnp.minimum(cands.n_above, slots).reshape(-1)
+  slots = config.candidate_slots(topk, T)
+  threshold, main = threshold_and_main_pass(topk, slots, config)
+  scores, indices, n_kept = flat_candidates(main(q, k, w, threshold(q, k, w)), slots)
   rows, first = [], None
   for rows_per_program, num_warps in ((1, 4), (1, 8), (2, 8), (4, 8), (2, 16), (4, 16)):
     fn = jax.jit(functools.partial(select_candidates, topk=topk, rows_per_program=rows_per_program,
