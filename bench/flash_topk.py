@@ -29,7 +29,7 @@ sys.path.insert(0, "bench")
 from hyscale_jax import ops  # noqa: E402
 from hyscale_jax.ops.flash_topk import pallas as topk_pallas  # noqa: E402
 from hyscale_jax.ops.flash_topk.pallas import flash_topk_pallas_with_stats  # noqa: E402
-from pallas_kernels.flash_topk import Config, flash_topk_candidates, ordered_bits, select_candidates  # noqa: E402
+from pallas_kernels.flash_topk import Config, flash_topk_candidates, select_candidates  # noqa: E402
 from timing import timed  # noqa: E402
 
 # name -> (T, H, D, topk, compress_ratio, weights?)
@@ -158,9 +158,9 @@ def run_breakdown(T, config, topk=2048):
   scores, indices, n_kept = flat_candidates(cands, slots)
   select_alone = jax.jit(lambda s, i, n: select_candidates(s, i, n, topk))
   winners = select_alone(scores, indices, n_kept)
-  sort_alone = jax.jit(lambda s, i: jax.lax.sort((~ordered_bits(s), i), num_keys=1, is_stable=True))
+  sort_alone = jax.jit(topk_pallas.sort_winners)
   times = dict(select_alone=timed(select_alone, scores, indices, n_kept, reps=3),
-               sort_alone=timed(sort_alone, winners[0], winners[1], reps=3),
+               sort_alone=timed(sort_alone, *winners, reps=3),
                threshold=timed(threshold, q, k, w, reps=3), main_pass=timed(main, q, k, w, t, reps=3),
                finish_unchunked=timed(finish, cands, t, reps=3),
                finish_top_k_unchunked=timed(finish_top_k, cands, t, reps=3), top_k_alone=timed(top_k_only, cands.scores),

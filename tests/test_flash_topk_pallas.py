@@ -434,6 +434,31 @@ def test_select_candidates_keeps_the_topk_in_slot_order(topk, rows_per_program):
     np.testing.assert_array_equal(got_s[r, : got_n[r]], scores[r, slots], err_msg=f"row {r}")
 
 
+def test_select_candidates_on_distinct_scores_and_shared_prefixes():
+  """Distinct random scores (the search stops early once exactly topk keys are above its prefix),
+  scores within one binade (a long shared prefix), huge and tiny magnitudes, and exact ties at the
+  k-th place among otherwise distinct scores."""
+  from pallas_kernels.flash_topk import select_candidates  # noqa: PLC0415
+
+  rng = np.random.default_rng(12)
+  S, topk = 128, 40
+  scores = rng.normal(size=(6, S)).astype(np.float32)
+  scores[1] = (1.0 + rng.random(S)).astype(np.float32)  # [1, 2): sign and exponent shared
+  scores[2] = np.float32(3e38) * rng.random(S).astype(np.float32)
+  scores[3] = np.float32(1e-40) * rng.random(S).astype(np.float32)  # denormals
+  scores[4, :] = np.sort(scores[4])[::-1]
+  scores[4, topk - 3 : topk + 3] = scores[4, topk - 3]  # a tie class straddling the k-th place
+  scores[5] = np.abs(scores[5])
+  n_valid = np.asarray([S, S, S, 100, S, topk], np.int32)
+  indices = np.arange(6 * S, dtype=np.int32).reshape(6, S)
+  got_s, got_i, got_n = (np.asarray(x) for x in jax.jit(functools.partial(
+      select_candidates, topk=topk, interpret=True))(jnp.asarray(scores), jnp.asarray(indices), jnp.asarray(n_valid)))
+  for r, slots in enumerate(_select_oracle(scores, n_valid, topk)):
+    assert got_n[r] == len(slots), r
+    np.testing.assert_array_equal(got_i[r, : got_n[r]], indices[r, slots], err_msg=f"row {r}")
+    np.testing.assert_array_equal(got_s[r, : got_n[r]], scores[r, slots], err_msg=f"row {r}")
+
+
 def test_select_candidates_rejects_a_buffer_not_wider_than_topk():
   from pallas_kernels.flash_topk import select_candidates  # noqa: PLC0415
 
@@ -446,7 +471,9 @@ def test_both_finishes_agree_on_random_candidates():
   rng = np.random.default_rng(5)
   B, Tq, slots, tie_slots, topk = 2, 7, 32, 8, 8
   scores = rng.integers(0, 6, (B, Tq, slots)).astype(np.float32)  # many ties
-  c = Candidates(jnp.asarray(rng.integers(0, 500, (B, Tq, slots)), jnp.int32), jnp.asarray(scores),
+  # As the main pass lists them: each row's candidates are distinct keys in ascending order.
+  keys = np.sort(np.stack([rng.choice(500, slots, replace=False) for _ in range(B * Tq)]), axis=1)
+  c = Candidates(jnp.asarray(keys.reshape(B, Tq, slots), jnp.int32), jnp.asarray(scores),
                  jnp.asarray(rng.integers(0, 500, (B, Tq, tie_slots)), jnp.int32),
                  jnp.asarray(rng.integers(0, 40, (B, Tq)), jnp.int32), jnp.asarray(rng.integers(0, 9, (B, Tq)), jnp.int32),
                  jnp.full((B, Tq), 500, jnp.int32))

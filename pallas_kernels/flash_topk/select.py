@@ -4,10 +4,11 @@ FlashTopK's main pass leaves each row a buffer of (key, score) candidates, in ke
 `topk` of them in `slots` (4 x topk) places. `lax.top_k` over that buffer sorts all `slots` entries
 per row (37.8 of the backend's 172.4 ms at T=64K on the H200, bench/NOTES.md). This kernel finds
 each row's k-th largest score instead, with no sort: scores map to unsigned integers in the same
-order, and 32 passes over the row (held in registers) build the k-th one's bits from the top down,
-each keeping a bit if at least `topk` entries are >= the prefix with it set. It then writes the
-entries above the k-th score and the first of those equal to it, `topk` at most, in slot order, so
-only the `topk` winners are left to sort (`lax.sort`, stable, in XLA).
+order, and passes over the row (held in registers) build the k-th one's bits from the top down,
+each keeping a bit if at least `topk` entries are >= the prefix with it set (at most 32 passes;
+`_kth_key` says how it skips most of them). It then writes the entries above the k-th score and
+the first of those equal to it, `topk` at most, in slot order, so only the `topk` winners are left
+to sort (`lax.sort` in XLA).
 
 Ties: among entries equal to the k-th score the lower slots win, which is `lax.top_k`'s rule.
 Scores are f32 and never NaN here (the main pass ranks NaN as -inf); -0 has been folded to +0.
@@ -39,6 +40,43 @@ def from_ordered_bits(keys: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(jnp.where(positive, keys & jnp.uint32(0x7FFFFFFF), ~keys), jnp.float32)
 
 
+def _kth_key(key, valid, topk):
+  """u32[rows]: each row's topk-th largest valid key, or 0 when fewer than topk are valid (take all).
+
+  A bitwise search from the top: bit b is kept when at least topk keys are >= the prefix with it
+  set. Two things skip most of the 32 passes a plain search makes:
+  - it starts below the bits every valid key shares (the candidates sit above one threshold, so
+    sign and most exponent bits agree), which max ^ min gives;
+  - it stops once exactly topk keys are >= the prefix: the k-th largest is then their minimum.
+  A row that never stops early ends on the k-th largest key itself, which is also the minimum of
+  the keys >= it, so one reduction after the loop serves both ends.
+  """
+  n_valid = jnp.sum(valid.astype(jnp.int32), axis=1)
+  largest = jnp.max(key, axis=1)
+  smallest = jnp.min(jnp.where(valid, key, jnp.uint32(0xFFFFFFFF)), axis=1)
+  differ = largest ^ smallest  # 0 when every valid key is the same
+  top = 31 - jax.lax.clz(jax.lax.bitcast_convert_type(differ, jnp.int32))  # highest differing bit, or -1
+  below_top = jnp.where(top >= 0, (jnp.left_shift(jnp.uint32(1), jnp.maximum(top, 0).astype(jnp.uint32)) << 1)
+                        - jnp.uint32(1), jnp.uint32(0))  # top = 31 wraps to all ones, as it should
+  kth = largest & ~below_top
+  done = (n_valid < topk) | (top < 0)
+
+  def searching(state):
+    bit, _, done = state
+    return (bit >= 0) & (jnp.min(done.astype(jnp.int32)) == 0)
+
+  def narrow(state):
+    bit, kth, done = state
+    trial = kth | jnp.left_shift(jnp.uint32(1), bit.astype(jnp.uint32))
+    count = jnp.sum((key >= trial[:, None]).astype(jnp.int32), axis=1)
+    keep = ~done & (bit <= top) & (count >= topk)
+    return bit - 1, jnp.where(keep, trial, kth), done | (keep & (count == topk))
+
+  _, kth, _ = jax.lax.while_loop(searching, narrow, (jnp.max(top), kth, done))
+  kth = jnp.min(jnp.where(valid & (key >= kth[:, None]), key, jnp.uint32(0xFFFFFFFF)), axis=1)
+  return jnp.where(n_valid >= topk, kth, jnp.uint32(0))
+
+
 def _select_kernel(n_ref, score_ref, index_ref, out_score_ref, out_index_ref, n_out_ref, *, rows, slots, topk,
                    width):
   # `rows` rows: n_ref [rows] valid entries; score_ref / index_ref [rows, slots]; outputs [rows * width]
@@ -47,12 +85,7 @@ def _select_kernel(n_ref, score_ref, index_ref, out_score_ref, out_index_ref, n_
   valid = jax.lax.broadcasted_iota(jnp.int32, (rows, slots), 1) < n_ref[...][:, None]
   # Valid entries have keys >= 1 (the all-ones pattern is a NaN), so 0 marks the empty slots.
   key = jnp.where(valid, ordered_bits(score), jnp.uint32(0))
-  kth = jnp.zeros((rows,), jnp.uint32)
-  for bit in range(31, -1, -1):  # unrolled: a static shift per pass
-    trial = kth | jnp.uint32(1 << bit)
-    enough = jnp.sum((key >= trial[:, None]).astype(jnp.int32), axis=1) >= topk
-    kth = jnp.where(enough, trial, kth)
-  # kth is each row's topk-th largest key, or 0 when fewer than topk entries are valid (then all are taken).
+  kth = _kth_key(key, valid, topk)
   above = key > kth[:, None]
   tied = valid & (key == kth[:, None])
   room = topk - jnp.sum(above.astype(jnp.int32), axis=1)

@@ -88,9 +88,12 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, *, topk, compress_ratio, sca
                          interpret=interpret)
   # Query chunks bound the candidate buffers. The last chunk is shifted back to end at Tq (rows it
   # shares with the previous chunk are recomputed identically), so q is never padded or copied.
+  # Equal chunks keep that overlap under block_q rows per chunk; the largest chunk under the budget left
+  # 3,604 of 131,072 rows (the costliest, last causal rows) to be scored twice.
   block_q = config.block_q(H)
   row_bytes = B * (8 * slots + 4 * next_power_of_two(min(topk, Tk)))
-  chunk = min(Tq, max(block_q, config.chunk_bytes // row_bytes // block_q * block_q))
+  largest = min(Tq, max(block_q, config.chunk_bytes // row_bytes // block_q * block_q))
+  chunk = min(Tq, st.cdiv(st.cdiv(Tq, st.cdiv(Tq, largest)), block_q) * block_q)
   rows = lambda x, start: None if x is None else jax.lax.dynamic_slice_in_dim(x, start, chunk, 1)
 
   def chunk_topk(c, outs):
@@ -133,12 +136,28 @@ def _threshold(q, k, weights, q_offset, q_seg, kv_seg, *, topk, compress_ratio, 
   return sample_scores[..., rank - 1]
 
 
+def sort_winners(scores, indices, n):
+  """Rows of (scores f32[R, k], indices i32[R, k]) with n i32[R] valid places, sorted by score
+  descending, then index ascending; the places past n come last (their contents unspecified).
+
+  Descending scores become ascending u32 keys (the empty places the largest): a plain integer
+  compare. A row's winners are distinct keys, so (key, index) pairs are unique and an unstable
+  two-key sort gives the stable order, at 0.71x the time of a stable one-key sort, which XLA runs
+  with an extra iota operand (bench/NOTES.md).
+  """
+  kept = jnp.arange(scores.shape[-1]) < n[:, None]
+  key = jnp.where(kept, ~ordered_bits(scores), jnp.uint32(0xFFFFFFFF))
+  key, indices = jax.lax.sort((key, indices), num_keys=2, is_stable=False)
+  return from_ordered_bits(~key), indices
+
+
 def _finish(c: Candidates, threshold, topk, *, method="select", interpret=False):
   """(indices, scores, exact): the top-k from the candidates, and whether the counts prove it.
 
   `method` ranks the strict candidates (`Config.finish`): "select" keeps each row's `topk` best
-  with `select_candidates` and sorts only those (stable: equal scores keep slot order, lower key
-  first); "top_k" runs `lax.top_k` over the whole buffer (the same rule). Same result either way.
+  with `select_candidates` and sorts only those by (score, key index); "top_k" runs `lax.top_k`
+  over the whole buffer (equal scores: lower slot). The main pass lists a row's candidates in key
+  order, distinct, so both give the same result.
   """
   B, Tq, slots = c.indices.shape
   tie_slots = c.tie_indices.shape[-1]
@@ -146,12 +165,8 @@ def _finish(c: Candidates, threshold, topk, *, method="select", interpret=False)
   if method == "select" and slots > topk:
     best, best_idx, n_best = select_candidates(c.scores.reshape(B * Tq, slots), c.indices.reshape(B * Tq, slots),
                                                n_kept.reshape(-1), topk, interpret=interpret)
-    kept = jnp.arange(topk) < n_best[:, None]
-    # Descending scores as ascending u32 keys (the empty places last): a plain integer compare,
-    # which XLA can hand to a radix sort; stable, so equal scores keep key order.
-    key = jnp.where(kept, ~ordered_bits(best), jnp.uint32(0xFFFFFFFF))
-    key, best_idx = jax.lax.sort((key, best_idx), num_keys=1, is_stable=True)
-    best, best_idx = from_ordered_bits(~key).reshape(B, Tq, topk), best_idx.reshape(B, Tq, topk)
+    best, best_idx = sort_winners(best, best_idx, n_best)
+    best, best_idx = best.reshape(B, Tq, topk), best_idx.reshape(B, Tq, topk)
   else:
     score = jnp.where(jnp.arange(slots) < n_kept, c.scores, -jnp.inf)
     best, slot = jax.lax.top_k(score, min(topk, slots))  # equal scores: lower slot = lower key first
