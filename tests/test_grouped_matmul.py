@@ -146,8 +146,12 @@ def test_config_validation_heuristics_and_search_space():
     assert all(c.smem_bytes(2) <= 227 * 1024 for c in space)
   # A CTA spans two warpgroups' columns: 208 KiB at 128 x 256 with 3 stages.
   assert autotune.Config(max_concurrent_steps=3).smem_bytes(2) == (3 * (128 + 256) * 64 + 128 * 256) * 2
-  narrow = autotune.Config.heuristics("forward", 163840, 2560, 640, 512)  # Qwen's F 640: 128-column CTAs
-  assert narrow.columns == 128 and 640 % narrow.columns == 0
+  # Qwen's F 640: 256-column CTAs (2.5 of them; the kernels read past N as zeros), a band over all three.
+  narrow = autotune.Config.heuristics("forward", 163840, 2560, 640, 512)
+  assert narrow.columns == 256 and narrow.grid_block_n == 4
+  assert autotune.Config.heuristics("transposed", 163840, 2560, 640, 512).grid_block_n == 1
+  # A width 256-column CTAs would pad by over 20% (320 -> 512) takes 128-column ones.
+  assert autotune.Config.heuristics("forward", 4096, 256, 320, 8).columns == 128
   # dW tiles must divide its [K, N] output: K = 192 allows only 64-row tiles.
   assert all(192 % c.block_m == 0 for c in autotune.Config.search_space("transposed", 4096, 192, 2048, 8))
 
@@ -334,6 +338,29 @@ def test_pallas_forward_kernel_with_many_groups(aligned):
         lhs, rhs, gs)
     want = grouped_matmul_oracle(lhs, rhs, sizes, transpose_rhs=transpose_rhs)
     np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=0.35, rtol=2e-2)
+
+
+@pytest.mark.gpu_only
+@_ON_GPU
+def test_pallas_kernels_on_tiles_wider_than_the_output():
+  """N = Q = 320 on 256-column CTAs: the second block's first half ends inside the output, its second
+  half lies past it (TMA reads zeros there, nothing is stored); forward, dx layout and dW."""
+  from pallas_kernels.grouped_matmul import grouped_matmul_pallas, transposed_grouped_matmul_pallas  # noqa: PLC0415
+
+  sizes = [300, 0, 517, 207]
+  config = autotune.Config(block_n=128, max_concurrent_steps=3, grid_block_n=2)
+  for transpose_rhs in (False, True):
+    lhs, rhs, gs, _ = _inputs(1024, sizes, k=256, n=320, dtype=jnp.bfloat16, transpose_rhs=transpose_rhs)
+    out = jax.jit(lambda a, b, s: grouped_matmul_pallas(a, b, s, transpose_rhs=transpose_rhs, config=config))(
+        lhs, rhs, gs)
+    assert out.shape == (1024, 320)
+    want = grouped_matmul_oracle(lhs, rhs, sizes, transpose_rhs=transpose_rhs)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=0.35, rtol=2e-2)
+  a, _, gs, b = _inputs(1024, sizes, k=256, n=320, dtype=jnp.bfloat16)
+  out = jax.jit(lambda a, b, s: transposed_grouped_matmul_pallas(a, b, s, config=config))(a, b, gs)
+  assert out.shape == (4, 256, 320)
+  _, _, want = grouped_matmul_oracle(a, np.zeros((4, 256, 320)), sizes, np.asarray(b, np.float64))
+  np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=0.35, rtol=2e-2)
 
 
 @pytest.mark.gpu_only

@@ -71,32 +71,39 @@ class Config:
   @classmethod
   def heuristics(cls, kind: str, m: int, k: int, n: int, g: int) -> "Config":
     """The default when nothing is cached: 128 x 256 CTA tiles, 3 stages (208 KiB of bf16), snake
-    bands of 8 N blocks for forward and dx, 4 for dW (the best of the configs swept at the five bench
-    shapes on the H200, bench/NOTES.md 2026-12-04); 128 x 128 with 4 stages when N is not a multiple of 256 (narrow
-    experts: less padding). dW's block_m also tiles its output's K (= P) axis: 64 when 128 does not
-    divide it, so the wrapper need not pad (a padded operand is a copy).
+    bands of 8 N blocks for forward and dx where they tile the blocks exactly, else 4, and for dW 4
+    (1 under 4 blocks): the best of the configs swept at the bench shapes on the H200 (bench/NOTES.md
+    2026-12-04). An N that 256 does not divide still takes 256-column CTAs when that pads it by at
+    most 20% (the kernels read the columns past N as zeros: Qwen's 640 = 2.5 CTAs ran 355.8 against
+    325.4 TFLOP/s on 128-column CTAs, dW 306.3 against 267.1), else 128-column CTAs, 4 stages.
+    dW's block_m also tiles its output's K (= P) axis: 64 when 128 does not divide it, so the wrapper
+    need not pad (a padded operand is a copy).
     """
     _check_kind(kind)
     del m, g
     block_m = 128 if kind != "transposed" or k % 128 == 0 else 64
-    block_n = 128 if n % 256 == 0 else 64
+    block_n = 128 if -(-n // 256) * 256 <= 1.2 * n else 64
     blocks = -(-n // (2 * block_n))
-    # Bands of 8 where they tile the N blocks exactly (a remainder band cost Qwen's dx 30%), else 4.
-    band = 8 if kind != "transposed" and blocks % 8 == 0 else 4 if blocks >= 4 else 1
+    if kind == "transposed":
+      band = 4 if blocks >= 4 else 1
+    else:  # a remainder band cost Qwen's dx 30%: 8 only where it tiles the blocks
+      band = 8 if blocks % 8 == 0 else 4
     return cls(block_m=block_m, block_n=block_n, max_concurrent_steps=3 if block_n == 128 else 4, grid_block_n=band)
 
   @classmethod
   def search_space(cls, kind: str, m: int, k: int, n: int, g: int, itemsize: int = 2) -> tuple["Config", ...]:
-    """At most 6 configs, the heuristic first: snake bands of 2-16 N blocks (how long a row tile stays
-    hot in L2) and tiles of 64 or 128 rows x 128 or 256 columns. Kept only if the CTA's columns
-    divide N (and, for dW, block_m its K) and the kernel fits the H100/H200's 227 KiB of shared memory.
+    """At most 6 configs, the heuristic first: snake bands of 1-16 N blocks (how long a row tile stays
+    hot in L2) and tiles of 64 or 128 rows x 128 or 256 columns. Kept only if the CTA's columns pad N
+    by at most 20% (and, for dW, block_m divides its K) and the kernel fits the H100/H200's 227 KiB
+    of shared memory.
     """
     _check_kind(kind)
     found = [cls.heuristics(kind, m, k, n, g)]
     for block_m, block_n, steps, grid_block_n in (
-        (128, 128, 3, 4), (128, 128, 3, 16), (128, 128, 3, 2), (64, 128, 4, 8), (128, 64, 4, 8), (128, 64, 4, 4)):
+        (128, 128, 3, 4), (128, 128, 3, 16), (128, 128, 3, 2), (128, 128, 3, 1), (64, 128, 4, 8), (128, 64, 4, 8),
+        (128, 64, 4, 4)):
       config = cls(block_m=block_m, block_n=block_n, max_concurrent_steps=steps, grid_block_n=grid_block_n)
-      if n % config.columns or (kind == "transposed" and k % block_m):
+      if -(-n // config.columns) * config.columns > 1.2 * n or (kind == "transposed" and k % block_m):
         continue
       if config not in found and config.smem_bytes(itemsize) <= 227 * 1024:
         found.append(config)

@@ -6,8 +6,9 @@
 - `transposed_grouped_matmul_pallas`: the own dW kernel (`tiled.py`), per group `a_g^T @ b_g` into
   [G, P, Q], walking only each group's own rows, with the same producer / two-consumer split.
 
-What the wrappers add: K (and N, P, Q) zero-padded to the chosen tiles (exact: padded columns
-contribute 0 and are sliced off), rows padded to TMA's 8-row tiling, and the block config from
+What the wrappers add: K (and dW's P) zero-padded to the chosen tiles (exact: padded columns
+contribute 0 and are sliced off), N and Q only to Mosaic's 64-element swizzle tile (the kernels
+read past them as zeros and store nothing there), rows padded to TMA's 8-row tiling, and the block config from
 `autotune.choose`. Rows past `sum(group_sizes)` need no pass over the arrays: the forward kernel
 writes 0 there and the dW kernel selects 0 for them. Both kernels use wgmma (sm_90a) and bf16/f16 only: anything else raises NotImplementedError so `"auto"`
 falls back to the reference. Mosaic GPU has no interpret mode; CPU tests export the kernels for a
@@ -26,6 +27,7 @@ import numpy as np
 from pallas_kernels.grouped_matmul import autotune
 
 _DTYPES = (jnp.bfloat16, jnp.float16)
+_SWIZZLE_TILE = 64  # elements of a 128-byte swizzled row (2-byte dtypes): Mosaic's minor-dim tiling of a TMA operand
 
 
 def check_supported(lhs, rhs, group_sizes, *, transpose_rhs=False) -> None:
@@ -91,12 +93,13 @@ def _forward(lhs, rhs, group_sizes, config, transpose_rhs):
   """The kernel call on padded operands; out [M, N] with rows past the groups left unwritten."""
   from pallas_kernels.grouped_matmul import tiled  # noqa: PLC0415 - imports Mosaic GPU
 
-  m, k = lhs.shape
+  m = lhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  columns = config.columns
   # TMA wants the row count a multiple of its 8-row tiling; the padded rows are past every group.
+  # N only to the 64-element swizzle tile (no copy at the models' widths): the kernel reads the
+  # columns past N as zeros and stores none of them, so N need not fill the CTA's columns.
   lhs = _pad_axis(_pad_axis(lhs, 1, config.block_k), 0, 8)
-  rhs = _pad_axis(_pad_axis(rhs, 2 if transpose_rhs else 1, config.block_k), 1 if transpose_rhs else 2, columns)
+  rhs = _pad_axis(_pad_axis(rhs, 2 if transpose_rhs else 1, config.block_k), 1 if transpose_rhs else 2, _SWIZZLE_TILE)
   out = tiled.grouped_matmul_tiled(lhs, rhs, group_sizes, config=config, transpose_rhs=transpose_rhs,
                                    num_sms=jax.devices()[0].core_count)
   return out[:m, :n]
@@ -123,7 +126,7 @@ def _transposed(a, b, group_sizes, config):
 
   p, q = a.shape[1], b.shape[1]
   a = _pad_axis(_pad_axis(a, 1, config.block_m), 0, 8)
-  b = _pad_axis(_pad_axis(b, 1, config.columns), 0, 8)
+  b = _pad_axis(_pad_axis(b, 1, _SWIZZLE_TILE), 0, 8)  # Q as N in the forward
   out = tiled.transposed_grouped_matmul_tiled(a, b, group_sizes, config=config, num_sms=jax.devices()[0].core_count)
   return out[:, :p, :q]
 

@@ -121,22 +121,24 @@ def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs
   """lhs bf16|f16[M, K] x rhs [G, K, N] ([G, N, K] with transpose_rhs) -> [M, N] in lhs.dtype.
 
   `config`: block_m rows x 2 * block_n columns per CTA, block_k the K step, max_concurrent_steps
-  pipeline stages, grid_block_n the snake band in N blocks. K must be a multiple of block_k and N of
-  2 * block_n (the caller pads). Rows past sum(group_sizes) are 0 (zero tiles, no pass over the
-  output). f32 accumulation.
+  pipeline stages, grid_block_n the snake band in N blocks. K must be a multiple of block_k (the
+  caller pads). N need not be a multiple of 2 * block_n: TMA reads the columns past N as zeros and
+  drops their stores, and a warpgroup whose half lies wholly past N stores nothing, so narrow
+  experts (Qwen's 640) run on the wide tiles without a padded copy of the weights. Rows past
+  sum(group_sizes) are 0 (zero tiles, no pass over the output). f32 accumulation.
   """
   m, k = lhs.shape
   g = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   tile_m, tile_n, tile_k = config.block_m, config.block_n, config.block_k
   block_n = 2 * tile_n
-  if k % tile_k or n % block_n:
-    raise ValueError(f"K={k} must be a multiple of block_k={tile_k} and N={n} of 2 * block_n={block_n}.")
+  if k % tile_k:
+    raise ValueError(f"K={k} must be a multiple of block_k={tile_k}.")
   if tile_m & (tile_m - 1):
     raise ValueError(f"block_m={tile_m} must be a power of two (partial tiles store power-of-two row runs).")
   num_tiles = max_tiles(m, g, tile_m)
   table = tile_table(group_sizes, tile_m, num_tiles, m)
-  n_blocks = n // block_n
+  n_blocks = pl.cdiv(n, block_n)
   k_steps = k // tile_k
   dtype = lhs.dtype
   transforms = _input_transforms(tile_k, dtype)
@@ -184,7 +186,9 @@ def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs
         smem_row = pl.multiple_of(wg * tile_m, tile_m)
         col = n_block * block_n + wg * tile_n
 
-        @pl.when((hi > lo) & (group == g) & (wg < 2))  # rows past the groups: zeros, from the consumers
+        stores = (wg < 2) & (col < n)  # the consumers, where their half holds columns of the output
+
+        @pl.when((hi > lo) & (group == g) & stores)  # rows past the groups: zeros
         def _():
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           out_smem[pl.ds(smem_row, tile_m), :] = jnp.zeros((tile_m, tile_n), dtype)
@@ -200,10 +204,13 @@ def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs
             def _(acc_ref):
               run_pipeline(acc_ref)
               acc = acc_ref[...].astype(dtype)
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read it
-              out_smem[pl.ds(smem_row, tile_m), :] = acc
-              plgpu.commit_smem()
-              _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, tile_m, tile_n)
+
+              @pl.when(col < n)
+              def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read it
+                out_smem[pl.ds(smem_row, tile_m), :] = acc
+                plgpu.commit_smem()
+                _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, tile_m, tile_n)
 
           def mma(_, lhs_smem, rhs_smem, acc_ref):
             if transpose_rhs:
@@ -247,18 +254,19 @@ def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sm
   and last block, its half of b's rows that belong to other groups, and, in a block that reaches past
   the groups, a's rows there (both warpgroups write the same zeros to the shared a block, so the
   order does not matter), then accumulates `a_blk^T @ b_blk` in f32. Rows past sum(group_sizes) may
-  hold anything, NaN included. P must be a multiple of block_m and Q of 2 * block_n (the caller pads).
-  An empty group's output is 0.
+  hold anything, NaN included. P must be a multiple of block_m (the caller pads); Q need not be a
+  multiple of 2 * block_n (TMA reads b's columns past Q as zeros and drops those stores). An empty
+  group's output is 0.
   """
   m, p = a.shape
   q = b.shape[1]
   g = group_sizes.shape[0]
   tile_p, tile_q, tile_k = config.block_m, config.block_n, config.block_k
   block_q = 2 * tile_q
-  if p % tile_p or q % block_q:
-    raise ValueError(f"P={p} must be a multiple of block_m={tile_p} and Q={q} of 2 * block_n={block_q}.")
+  if p % tile_p:
+    raise ValueError(f"P={p} must be a multiple of block_m={tile_p}.")
   table = group_table(group_sizes)
-  p_blocks, q_blocks = p // tile_p, q // block_q
+  p_blocks, q_blocks = p // tile_p, pl.cdiv(q, block_q)
   dtype = a.dtype
   a_transforms = _input_transforms(tile_p, dtype)  # a's block is [rows, P]: P is its minor axis
   b_transforms = _input_transforms(block_q, dtype)
@@ -302,13 +310,16 @@ def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sm
         past_groups = table_gmem[3, group]
         steps = (hi + tile_k - 1) // tile_k
         smem_row = pl.multiple_of(wg * tile_p, tile_p)
-        out_tile = out_gmem.at[group, pl.ds(p_block * tile_p, tile_p), pl.ds(q_block * block_q + wg * tile_q, tile_q)]
+        col = q_block * block_q + wg * tile_q
+        out_tile = out_gmem.at[group, pl.ds(p_block * tile_p, tile_p), pl.ds(col, tile_q)]
 
         def store(acc):
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          out_smem[pl.ds(smem_row, tile_p), :] = acc.astype(dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(smem_row, tile_p)], out_tile)
+          @pl.when(col < q)  # a half wholly past Q stores nothing
+          def _():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            out_smem[pl.ds(smem_row, tile_p), :] = acc.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(smem_row, tile_p)], out_tile)
 
         @pl.when((hi == lo) & (wg < 2))  # an empty group: zeros from the two consumer warpgroups
         def _():
