@@ -1,9 +1,10 @@
 """Sparse attention on one GPU: the Pallas kernels against the reference (XLA gather), and the loss pieces.
 
-    python bench/sparse_attention.py check                      # GPU correctness + dk/dv run-to-run spread
+    python bench/sparse_attention.py check                      # GPU correctness + dk/dv run-to-run spread (atomic, deterministic)
     python bench/sparse_attention.py tune --shape mla64 --seq 16384
     python bench/sparse_attention.py table --shapes mla64 mla128 v4 qsa --seq 16384 65536 --out r.json
     python bench/sparse_attention.py table --smoke              # tiny shapes on the CPU, in seconds
+    python bench/sparse_attention.py table --shapes mla64 --seq 16384 65536 --deterministic  # + deterministic bwd
 
 `table` compiles every row's programs up front on `--workers` threads, then checks and times row by
 row, rewriting `--out` after each.
@@ -15,6 +16,11 @@ k=640); `qsa` gated GQA (H=24, G=2, D=256, k=2051). Batch 1, bf16, random normal
 causal selections.
 
 FLOPs: forward `2 T H k (Dk + Dv)`; backward `2 T H k (3 Dk + 2 Dv)` (S recomputed, dP, dq, dk, dv).
+`--deterministic` adds `pallas_det_bwd` to each row: the backward with `deterministic=True` (no
+atomics: per-slot f32 slabs, then a key-major sum; `--det-chunk-mib` of slabs per query chunk),
+timed beside the atomic `pallas_bwd` (`det_over_atomic`), checked against it, and run twice on
+the device to check that dq/dk/dv/dsinks are bit-identical (`det_bitwise_equal`). `--smoke` turns it on.
+
 Every timed variant is checked against the reference in the same run first. Before each checked
 call, `poison` fills and frees device buffers of the outputs' sizes with NaN, so an output element a
 kernel forgot to write most likely reads back as NaN rather than as a stale correct value.
@@ -113,8 +119,9 @@ def rel_err(a, b):
   return float(_rel_err(jnp.asarray(a), jnp.asarray(b)))
 
 
-def variants(shape: Shape, scale, fwd_config=None, bwd_config=None):
-  """name -> fn(q, k, v, idx, sinks, dout[, out, lse]) for the forward, backward and fwd+bwd of each backend.
+def variants(shape: Shape, scale, fwd_config=None, bwd_config=None, det_chunk_mib=1024):
+  """name -> fn(q, k, v, idx, sinks, dout[, out, lse]) for the forward, backward and fwd+bwd of each backend,
+  and `pallas_det_bwd`, the deterministic Pallas backward (`det_chunk_mib` MiB of f32 slabs per chunk).
 
   Shapes whose values are the key's prefix (`value_is_key`) call with `v=None`, so the Pallas
   kernels read one row for both and return the value gradient inside dk; the reference's separate
@@ -130,9 +137,14 @@ def variants(shape: Shape, scale, fwd_config=None, bwd_config=None):
   def fwd_r(q, k, v, idx, sinks, dout):
     return sparse_attention_forward_reference(q, k, v, idx, scale=scale, sinks=sinks)
 
-  def bwd_p(q, k, v, idx, sinks, dout, out, lse):
+  def bwd_p(q, k, v, idx, sinks, dout, out, lse, deterministic=False):
+    config = bwd_config
+    if deterministic:
+      config = dataclasses.replace(bwd_config or Config.backward_heuristics(shape.Dk, shape.Dv, q.dtype.itemsize),
+                                   chunk_bytes=det_chunk_mib << 20)
     return sparse_attention_backward_pallas((q, k, None if fused else v, idx, sinks, out, lse),
-                                            (dout, jnp.zeros_like(lse)), scale=scale, config=bwd_config)
+                                            (dout, jnp.zeros_like(lse)), scale=scale, deterministic=deterministic,
+                                            config=config)
 
   def bwd_r(q, k, v, idx, sinks, dout, out, lse):
     dq, dk, dv, dsinks = sparse_attention_backward_reference((q, k, v, idx, sinks, out, lse),
@@ -152,6 +164,7 @@ def variants(shape: Shape, scale, fwd_config=None, bwd_config=None):
 
   return dict(
       pallas_fwd=fwd_p, reference_fwd=fwd_r, pallas_bwd=bwd_p, reference_bwd=bwd_r,
+      pallas_det_bwd=functools.partial(bwd_p, deterministic=True),
       pallas_fwd_bwd=fwd_bwd("pallas"), reference_fwd_bwd=fwd_bwd("reference"),
   )
 
@@ -180,8 +193,9 @@ def teacher_inputs(x, lse):
   return x["q"][:, rows], x["k"], lse[:, rows], x["idx"][:, rows]
 
 
-def row_programs(name, shape: Shape, T, skip_reference, fwd_config=None, bwd_config=None):
-  """(key -> jitted fn, key -> abstract args) of every program one table row runs."""
+def row_programs(name, shape: Shape, T, skip_reference, fwd_config=None, bwd_config=None, det_chunk_mib=0):
+  """(key -> jitted fn, key -> abstract args) of every program one table row runs (the deterministic
+  backward only with `det_chunk_mib`, its slab budget)."""
   x = jax.eval_shape(lambda: make_inputs(shape, T))
   scale = shape.Dk**-0.5
   args = (x["q"], x["k"], x["v"], x["idx"], x["sinks"], x["dout"])
@@ -189,8 +203,8 @@ def row_programs(name, shape: Shape, T, skip_reference, fwd_config=None, bwd_con
   lse = jax.ShapeDtypeStruct(x["q"].shape[:3], jnp.float32)
   backends = ("pallas",) + (() if skip_reference else ("reference",))
   fns, abstract = {}, {}
-  for key, fn in variants(shape, scale, fwd_config, bwd_config).items():
-    if key.split("_")[0] in backends:
+  for key, fn in variants(shape, scale, fwd_config, bwd_config, det_chunk_mib).items():
+    if key.split("_")[0] in backends and (det_chunk_mib or key != "pallas_det_bwd"):
       fns[key] = jax.jit(fn)
       abstract[key] = args + ((out, lse) if key.endswith("_bwd") and "fwd" not in key else ())
   teacher_args = jax.eval_shape(teacher_inputs, x, lse)
@@ -242,7 +256,7 @@ def run_row(row_key, shape: Shape, T, compiled, reps, skip_reference):
          if (row_key, key) in compiled}
   if skip_reference:  # check against the jitted reference (compiled on first call)
     fns.update({k: jax.jit(f) for k, f in variants(shape, shape.Dk**-0.5).items() if k.startswith("reference")})
-  (out_r, lse_r), _, errors = checked_outputs(fns, args)
+  (out_r, lse_r), g_p, errors = checked_outputs(fns, args)
   stamp(f"{name} T={T}: checked against the reference: {errors}")
   fwd_flops, bwd_flops = flops(shape, T)
   row = dict(shape=name, T=T, H=shape.H, G=shape.G, Dk=shape.Dk, Dv=shape.Dv, K=shape.K, errors=errors)
@@ -262,11 +276,32 @@ def run_row(row_key, shape: Shape, T, compiled, reps, skip_reference):
     loss_in = (x["iq"], x["ik"], x["iw"], x["q"], x["k"], lse_r, x["idx"])
     row[f"indexer_loss_{backend}_ms"] = timed(get(f"{backend}_loss"), *loss_in, reps=r) * 1e3
     stamp(f"{name} T={T}: {backend} loss pieces timed")
+  if (row_key, "pallas_det_bwd") in compiled:
+    row.update(deterministic_row(get("pallas_det_bwd"), args, out_r, lse_r, g_p, reps))
+    row["det_over_atomic"] = row["pallas_det_bwd_ms"] / row["pallas_bwd_ms"]
+    row["pallas_det_bwd_tflops"] = bwd_flops / row["pallas_det_bwd_ms"] / 1e9
+    row["pallas_det_bwd_temp_gb"] = compiled[row_key, "pallas_det_bwd"].memory_analysis().temp_size_in_bytes / 1e9
+    stamp(f"{name} T={T}: deterministic backward timed")
   if "teacher_1k_rows_reference" in row:
     row["teacher_rel_err"] = rel_err(row["teacher_1k_rows_pallas"], row["teacher_1k_rows_reference"])
   row.pop("teacher_1k_rows_pallas")
   row.pop("teacher_1k_rows_reference", None)
   return row
+
+
+def deterministic_row(det_bwd, args, out, lse, atomic_grads, reps):
+  """The deterministic backward run twice on poisoned memory (bit-identical?), against the atomic
+  one's gradients (already checked against the reference), and timed."""
+  poison(*atomic_grads)
+  first = det_bwd(*args, out, lse)
+  poison(*atomic_grads)
+  second = det_bwd(*args, out, lse)
+  same = all(bool(jnp.array_equal(a, b)) for a, b in zip(first, second) if a is not None)
+  errors = {f"d{n}": rel_err(a, b) for n, a, b in zip(("q", "k", "v", "sinks"), first, atomic_grads) if b is not None}
+  assert all(np.isfinite(list(errors.values()))), errors
+  del first, second
+  return dict(det_bitwise_equal=same, det_vs_atomic=errors,
+              pallas_det_bwd_ms=timed(det_bwd, *args, out, lse, reps=reps) * 1e3)
 
 
 def _unwrap(compiled):
@@ -301,8 +336,11 @@ def run_check():
       g_p2 = fns["pallas_bwd"](*args, out_r, lse_r)
       spread = {f"d{n}": float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
                 for n, a, b in zip("kv", g_p[1:3], g_p2[1:3]) if a is not None}
+      det = deterministic_row(fns["pallas_det_bwd"], args, out_r, lse_r, g_p, reps=1)
       print(f"check {name} T={T} {jnp.dtype(dtype).name}: errors vs reference "
-            f"{ {k: float(f'{v:.2e}') for k, v in errors.items()} }, run-to-run max |diff| {spread}", flush=True)
+            f"{ {k: float(f'{v:.2e}') for k, v in errors.items()} }, run-to-run max |diff| {spread}; "
+            f"deterministic: bit-identical twice {det['det_bitwise_equal']}, vs atomic "
+            f"{ {k: float(f'{v:.2e}') for k, v in det['det_vs_atomic'].items()} }", flush=True)
 
 
 TUNE_CONFIGS = [
@@ -347,9 +385,14 @@ def print_row(row):
         f" | teacher 1k rows {row['teacher_1k_rows_pallas_ms']:.2f} ms ref {row.get('teacher_1k_rows_reference_ms', float('nan')):.2f}"
         f" | indexer loss fwd+bwd {row['indexer_loss_pallas_ms']:.1f} ms ref {row.get('indexer_loss_reference_ms', float('nan')):.1f}"
         f" | errors {json.dumps({k: float(f'{v:.2e}') for k, v in row['errors'].items()})}", flush=True)
+  if "pallas_det_bwd_ms" in row:
+    print(f"{row['shape']:6s} T={row['T']:6d} | deterministic bwd {row['pallas_det_bwd_ms']:8.2f} ms"
+          f" {row['pallas_det_bwd_tflops']:6.1f} TF/s = {row['det_over_atomic']:.2f}x atomic"
+          f" | temp GB {row['pallas_det_bwd_temp_gb']:.2f} | bit-identical twice: {row['det_bitwise_equal']}"
+          f" | vs atomic {json.dumps({k: float(f'{v:.2e}') for k, v in row['det_vs_atomic'].items()})}", flush=True)
 
 
-def run_table(shapes, seqs, dense_seq, reps, skip_reference_above, workers, out_path):
+def run_table(shapes, seqs, dense_seq, reps, skip_reference_above, workers, out_path, det_chunk_mib=0):
   """Every (shape, T) row: all programs compiled up front on `workers` threads, then checked and
   timed row by row; the JSON is rewritten after each row, so a cut-off run keeps what it measured."""
   rows = []
@@ -360,7 +403,8 @@ def run_table(shapes, seqs, dense_seq, reps, skip_reference_above, workers, out_
         json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
 
   keys = [(name, T) for name in shapes for T in seqs]
-  programs = {key: row_programs(key[0], SHAPES[key[0]], key[1], key[1] > skip_reference_above) for key in keys}
+  programs = {key: row_programs(key[0], SHAPES[key[0]], key[1], key[1] > skip_reference_above,
+                                det_chunk_mib=det_chunk_mib) for key in keys}
   compiled = compile_all(programs, workers)
   for name, T in keys:
     try:
@@ -394,6 +438,8 @@ def main():
   parser.add_argument("--skip-reference-above", type=int, default=1 << 30)
   parser.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 16), help="compile threads")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device, in seconds")
+  parser.add_argument("--deterministic", action="store_true", help="table: also the deterministic backward")
+  parser.add_argument("--det-chunk-mib", type=int, default=1024, help="its f32 slab budget per query chunk")
   parser.add_argument("--out", default="")
   args = parser.parse_args()
   faulthandler.dump_traceback_later(300, repeat=True)  # where a long run spends its time
@@ -404,10 +450,11 @@ def main():
     for T in args.seq:
       run_tune(args.shape, T, args.reps)
     return
-  shapes, seqs, dense_seq = args.shapes, args.seq, args.dense_seq
+  shapes, seqs, dense_seq, deterministic = args.shapes, args.seq, args.dense_seq, args.deterministic
   if args.smoke:
-    shapes, seqs, dense_seq = ["smoke"], [48], 48
-  run_table(shapes, seqs, dense_seq, args.reps, args.skip_reference_above, args.workers, args.out)
+    shapes, seqs, dense_seq, deterministic = ["smoke"], [48], 48, True
+  run_table(shapes, seqs, dense_seq, args.reps, args.skip_reference_above, args.workers, args.out,
+            det_chunk_mib=args.det_chunk_mib if deterministic else 0)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ _DTYPES = ("float32", "bfloat16")
 # checkpoint holds; a checkpoint's config is compared with a run's on every other field.
 EXECUTION_FIELDS: frozenset[str] = frozenset({
     "dtype", "param_dtype", "remat_policy", "indexer_loss_grad_in_forward", "attention_query_chunk",
-    "ffn_token_chunk", "moe_token_chunk", "lm_loss_chunk", "scan_layers", "linear_chunk"})
+    "ffn_token_chunk", "moe_token_chunk", "lm_loss_chunk", "scan_layers", "linear_chunk",
+    "sparse_attention_deterministic"})
 # Where a config came from, not what it computes: the Hugging Face config.json it was imported from
 # (export writes it back, with the fields we own updated). Never compared between configs.
 PROVENANCE_FIELDS: frozenset[str] = frozenset({"hf_config"})
@@ -155,6 +156,10 @@ class ModelConfig:
   # the indexer loss computes its gradient in the forward pass and saves it (DSA, CSA and QSA
   # layers), so neither the backward pass nor the "selection_replay" rematerialization reruns the teacher.
   indexer_loss_grad_in_forward: bool = False
+  # Every `ops.sparse_attention` call (MLA/DSA, DeepSeek-V4's window and CSA, QSA) runs its
+  # deterministic backward: dk/dv bit-identical run to run instead of summed by f32 atomics, at a
+  # cost in backward time and up to ~1 GiB of f32 rows per call (the pallas kernel's `chunk_bytes`).
+  sparse_attention_deterministic: bool = False
   # MLA (DSA) attention over this many query rows at a time when T is longer (T must then be a
   # multiple): the keys are computed once, and under remat the absorbed queries, the attention
   # output and their gradients exist one chunk at a time (0: all rows at once).
@@ -251,6 +256,8 @@ class ModelConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"model.{name}={value!r} must be an int >= 0 (0: unchunked).")
+    if not isinstance(self.sparse_attention_deterministic, bool):
+      raise ValueError(f"model.sparse_attention_deterministic={self.sparse_attention_deterministic!r} must be a bool.")
     if not isinstance(self.mtp_depth, int) or isinstance(self.mtp_depth, bool) or self.mtp_depth < 0:
       raise ValueError(f"model.mtp_depth={self.mtp_depth!r} must be an int >= 0 (0: no MTP).")
     self._check_hyper_connections()

@@ -24,7 +24,8 @@ _SCRIPTS = {
     "flash_topk": (["bench/flash_topk.py", "--smoke"],
                    lambda data: all(_positive(r["ms"]) for r in data) and data[0]["rescued"] == 0),
     "sparse_attention": (["bench/sparse_attention.py", "table", "--smoke"],
-                         lambda data: all(_positive(r.get("pallas_fwd_ms", 1.0)) for r in data["rows"])),
+                         lambda data: all(_positive(r.get("pallas_fwd_ms", 1.0)) for r in data["rows"])
+                         and data["rows"][0]["det_bitwise_equal"] and _positive(data["rows"][0]["pallas_det_bwd_ms"])),
     "layer_step": (["bench/layer_step.py", "--smoke", "--layers", "dsa", "glm", "--modes", "megatron_style", "hyscale"],
                    lambda data: len(data["rows"]) == 4 and all(_positive(r["step_s"]) for r in data["rows"])
                    and all(r["check_ok"] and "parts_s" in r for r in data["rows"][1::2])

@@ -151,8 +151,9 @@ class CompressedSparseAttention(nnx.Module):
     window = window_indices(segment_ids, cfg.sliding_window)
     sinks = self.attn_sink[...]
     # K = V: the values are the keys (v=None).
-    sparse = lambda keys, indices, **kw: ops.sparse_attention(q, keys[:, :, None], None, indices, scale=self.scale,
-                                                              backend=backend("sparse_attention"), **kw)
+    sparse = lambda keys, indices, **kw: ops.sparse_attention(
+        q, keys[:, :, None], None, indices, scale=self.scale, deterministic=cfg.sparse_attention_deterministic,
+        backend=backend("sparse_attention"), **kw)
     selection = indexer_loss = None
     if self.compressor is None:
       out, lse = sparse(kv, window, sinks=sinks)

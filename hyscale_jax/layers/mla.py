@@ -199,6 +199,7 @@ class MLASparseAttention(nnx.Module):
                                  backend=backend("flash_topk")).indices
       # v is k's latent prefix: passing None lets the kernels gather and scatter one row for both.
       out, lse = ops.sparse_attention(q, k, None, indices, scale=scale, value_dim=v.shape[-1],
+                                      deterministic=cfg.sparse_attention_deterministic,
                                       backend=backend("sparse_attention"))
       if self.indexer is not None:
         loss, rows_counted = ops.indexer_loss(index_q, index_k, index_w, q, k, lse, indices, attn_scale=scale,

@@ -229,7 +229,8 @@ class QSAAttention(nnx.Module):
                               compress_ratio=cfg.qsa_block, scale=self.indexer.score_scale,
                               segment_ids=segs, backend=backend("flash_topk")).indices
       tokens = expand_blocks(blocks, segment_ids, cfg.qsa_block)
-      out, lse = ops.sparse_attention(q, k, v, tokens, scale=self.scale, backend=backend("sparse_attention"))
+      out, lse = ops.sparse_attention(q, k, v, tokens, scale=self.scale, deterministic=cfg.sparse_attention_deterministic,
+                                      backend=backend("sparse_attention"))
     loss = None
     if not cfg.indexer_frozen:
       index_scale = self.indexer.score_scale

@@ -112,12 +112,14 @@ def context_parallel_flash_topk(q, k, weights=None, *, mesh, topk, layout: str =
 
 
 def context_parallel_sparse_attention(q, k, v, indices, *, mesh, scale: float, sinks=None,
-                                      layout: str = "contiguous", backend: str = "auto"):
+                                      layout: str = "contiguous", backend: str = "auto", deterministic: bool = False):
   """`ops.sparse_attention` with q, k, v and indices split over `mesh`'s `context` axis.
 
   All in `layout` order; `indices` name natural-order key positions. Each device all-gathers k
   and v, restores their natural order and attends its own queries; dk and dv are
-  reduce-scattered back to their owners by the all-gather's transpose.
+  reduce-scattered back to their owners by the all-gather's transpose (`deterministic` as in
+  `ops.sparse_attention`: each device's sums are bit-identical; the reduce-scatter adds in the
+  collective's order).
 
   Returns:
     (out [B, T, H, Dv], lse f32[B, T, H]) in `layout` order.
@@ -129,7 +131,7 @@ def context_parallel_sparse_attention(q, k, v, indices, *, mesh, scale: float, s
     del row_offset
     (q, indices), (k, v), (sinks,) = local, full, replicated
     return ops.sparse_attention(q, from_layout(k, n, layout), from_layout(v, n, layout), indices,
-                                scale=scale, sinks=sinks, backend=backend)
+                                scale=scale, sinks=sinks, backend=backend, deterministic=deterministic)
 
   return _context.run_sequence_sharded(per_shard, mesh, sharded=(q, indices), gathered=(k, v),
                                        replicated=(sinks,), n_out=2)

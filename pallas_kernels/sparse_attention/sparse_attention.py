@@ -16,6 +16,9 @@ value rows by integer-array loads.
   (query, head) pairs selected that key. The inverted alternative (key-outer, FSA-style) reads a
   whole [H, Dk] query row per selected pair instead of writing one [Dk] gradient row, 64-128x the
   bytes in MQA mode, so it loses here.
+- Deterministic backward (`deterministic=True`): the same kernel stores each step's dK/dV rows in
+  its own f32 slab instead of adding them atomically, and `key_major.py` sums the slabs key by key
+  in a fixed order (bit-identical run to run), queries in chunks of `Config.chunk_bytes` of slabs.
 - Values from the key row: with `v=None` (absorbed MLA's latent is the key's first 512 of 576
   dims; DeepSeek-V4 has K = V) the gathered key part doubles as the value tile, and the backward
   adds dV into that part's dK before one scatter: 576 atomics per (key, head block) instead of
@@ -46,6 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._relaxed_atomics import relaxed_atomic_add
+from pallas_kernels.sparse_attention import key_major
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _NEG = -1e30  # a finite "minus infinity" for the running max, so empty prefixes never give inf - inf
@@ -53,12 +57,18 @@ _NEG = -1e30  # a finite "minus infinity" for the running max, so empty prefixes
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Tuning: heads per program, selected keys per step, and Triton's warps/stages."""
+  """Tuning: heads per program, selected keys per step, and Triton's warps/stages.
+
+  The deterministic backward adds two: `key_block`, keys per program of its key-major pass, and
+  `chunk_bytes`, the budget of its f32 contribution slabs (queries run in chunks that fit it).
+  """
 
   block_h: int = 64
   block_k: int = 64
   num_warps: int = 8
   num_stages: int = 2
+  key_block: int = 16
+  chunk_bytes: int = 1 << 30
 
   @classmethod
   def heuristics(cls, Dk: int, Dv: int, itemsize: int) -> "Config":
@@ -76,10 +86,12 @@ class Config:
     return cls(block_h=32, block_k=16, num_warps=4, num_stages=1)
 
   def __post_init__(self):
-    for name in ("block_h", "block_k"):
+    for name in ("block_h", "block_k", "key_block"):
       value = getattr(self, name)
       if value < 1 or value & (value - 1):
         raise ValueError(f"Config.{name}={value} must be a power of two.")
+    if self.chunk_bytes < 1:
+      raise ValueError(f"Config.chunk_bytes={self.chunk_bytes} must be positive.")
 
 
 def _power_of_two_parts(n: int) -> tuple[int, ...]:
@@ -352,12 +364,14 @@ def _scatter_add(acc_ref, rows, valid, values, interpret):
   relaxed_atomic_add(acc_ref, (jnp.broadcast_to(rows[:, None], (n, d)), cols), values, mask=mask)
 
 
-def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, value_from_key, precise, interpret):
+def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, value_from_key, precise, interpret, deterministic):
   # Inputs: q parts [block_h, d_i] ..., k parts [S_pad, d_i] ..., v [S_pad, Dv] (absent when the
   # values are the first key part), indices [K_pad], dout [block_h, Dv], lse [block_h],
-  # delta [block_h], then the aliased zero accumulators.
-  # Outputs: dq parts [block_h, d_i] ..., dk parts f32[S_pad, d_i] ..., dv f32[S_pad, Dv] (absent
-  # when the values are the first key part: their gradient is added into dk's first part).
+  # delta [block_h], then (atomic form) the aliased zero accumulators.
+  # Outputs: dq parts [block_h, d_i] ..., dk parts ..., dv (absent when the values are the first key
+  # part: their gradient is added into dk's first part). dk/dv are f32[S_pad, d] accumulators that
+  # take atomic adds at the selected rows or, `deterministic`, this program's own f32[K_pad, d]
+  # slab: row j holds slot j's contribution, for the key-major pass to sum.
   q_refs, k_refs = refs[:n_parts], refs[n_parts : 2 * n_parts]
   rest = list(refs[2 * n_parts :])
   v_ref = None if value_from_key else rest.pop(0)
@@ -374,6 +388,13 @@ def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, value_from_key, p
 
   def step(j, dqs):
     valid, safe = _selected(idx_ref, j, block_k, num_keys)
+
+    def emit(ref, rows):  # [block_k, d] gradient rows of slots j * block_k ...
+      if deterministic:
+        ref[pl.ds(j * block_k, block_k), :] = rows  # invalid slots hold zeros and are never read
+      else:
+        _scatter_add(ref, safe, valid, rows, interpret)
+
     ks = [k_ref[safe, :] for k_ref in k_refs]  # gathered once for S, dq and (MLA, V4) the values
     s = _logits(qs, ks, precision) * scale
     p = jnp.where(valid[None, :], jnp.exp(s - lse[:, None]), 0.0)  # [block_h, block_k]
@@ -384,7 +405,7 @@ def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, value_from_key, p
     dv = jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32, precision=precision)
     if not value_from_key:
-      _scatter_add(dv_ref, safe, valid, dv, interpret)
+      emit(dv_ref, dv)
     new_dqs = []
     for i, (q, k, dk_ref, dq) in enumerate(zip(qs, ks, dk_refs, dqs)):
       new_dqs.append(dq + jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
@@ -392,8 +413,8 @@ def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, value_from_key, p
       dk = jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32, precision=precision) * scale
       if value_from_key and i == 0:
-        dk = dk + dv  # one scattered row carries the key and the value gradient
-      _scatter_add(dk_ref, safe, valid, dk, interpret)
+        dk = dk + dv  # one row carries the key and the value gradient
+      emit(dk_ref, dk)
     return tuple(new_dqs)
 
   init = tuple(jnp.zeros(q.shape, jnp.float32) for q in qs)
@@ -402,8 +423,43 @@ def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, value_from_key, p
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def sparse_attention_backward_pallas(residuals, cotangents, *, scale, config: Config | None = None,
-                                     interpret: bool | None = None):
+def _backward_call(lay: _Layout, config: Config, rows, keys, grad_dims, *, deterministic, **kernel_args):
+  """The backward kernel over `lay.T` query rows: (dq parts, dk/dv parts).
+
+  `rows` are the per-query operands (q parts, then indices, dout, lse, delta; heads padded), `keys`
+  the k parts (and v). The dk/dv parts (widths `grad_dims`) are f32[B, S_pad, G, d] atomic sums,
+  or `deterministic` f32[B, T, n_blocks, K_pad, d] slabs of per-(token, head block, slot) rows.
+  """
+  n = len(lay.parts)
+  in_specs = ([lay.head_rows(d) for d in lay.parts] + [lay.group_keys(x.shape[-1]) for x in keys]
+              + [lay.token_indices(), lay.head_rows(lay.Dv), lay.head_rows(), lay.head_rows()])
+  operands = [*rows[:n], *keys, *rows[n:]]
+  if deterministic:
+    accumulators, aliases = [], {}
+    grads = [jax.ShapeDtypeStruct((lay.B, lay.T, lay.grid[2], lay.K_pad, d), jnp.float32) for d in grad_dims]
+    grad_specs = [pl.BlockSpec((None, None, None, lay.K_pad, d), lambda b, t, h: (b, t, h, 0, 0)) for d in grad_dims]
+  else:
+    accumulators = [jnp.zeros((lay.B, lay.S_pad, lay.G, d), jnp.float32) for d in grad_dims]
+    aliases = {len(operands) + i: n + i for i in range(len(accumulators))}
+    grads = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in accumulators]
+    grad_specs = [lay.group_keys(d) for d in grad_dims]
+  outs = pl.pallas_call(
+      functools.partial(_backward_kernel, n_parts=n, num_keys=lay.S, block_k=lay.block_k, interpret=lay.interpret,
+                        deterministic=deterministic, **kernel_args),
+      out_shape=[jax.ShapeDtypeStruct((lay.B, lay.T, lay.H_pad, d), rows[0].dtype) for d in lay.parts] + grads,
+      grid=lay.grid,
+      in_specs=in_specs + grad_specs[: len(accumulators)],
+      out_specs=[lay.head_rows(d) for d in lay.parts] + grad_specs,
+      input_output_aliases=aliases,
+      compiler_params=lay.params(config),
+      interpret=lay.interpret,
+      name="hyscale_sparse_attention_bwd",
+  )(*operands, *accumulators)
+  return outs[:n], outs[n:]
+
+
+def sparse_attention_backward_pallas(residuals, cotangents, *, scale, deterministic: bool = False,
+                                     config: Config | None = None, interpret: bool | None = None):
   """Gradients (dq, dk, dv, dsinks) from the saved (q, k, v, indices, sinks, out, lse).
 
   Args:
@@ -411,11 +467,15 @@ def sparse_attention_backward_pallas(residuals, cotangents, *, scale, config: Co
       `k[..., :Dv]`, Dv read from `out`), indices int[B, T, K], sinks f32[H] or None,
       out [B, T, H, Dv], lse f32[B, T, H]) as the forward saved them.
     cotangents: (dout [B, T, H, Dv], dlse f32[B, T, H]).
+    deterministic: sum dk/dv key by key in a fixed order (`key_major.py`) instead of by atomic
+      adds: bit-identical run to run and for any `config.chunk_bytes`, at the cost of writing and
+      reading f32 slabs of every selected row (query chunks of `config.chunk_bytes`). dq is the
+      same either way.
 
   Returns:
     dq in q.dtype, dk in k.dtype, dv in v.dtype (None when v is None: the value gradient is then
-    part of dk), dsinks in sinks' dtype (or None). dk and dv are accumulated in f32 by atomic adds
-    (see the module docstring for the run-to-run bound).
+    part of dk), dsinks in sinks' dtype (or None). dk and dv are accumulated in f32, by atomic adds
+    (see the module docstring for the run-to-run bound) or, deterministic, in the fixed order.
   """
   q, k, v, indices, sinks, out, lse = residuals
   dout, dlse = cotangents
@@ -426,36 +486,24 @@ def sparse_attention_backward_pallas(residuals, cotangents, *, scale, config: Co
   lay = _Layout.make(q, k, Dv, indices, config, interpret)
   # delta_t,h = <dout, out> - dlse: the softmax Jacobian's row term, with lse's own cotangent folded in.
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
-  value_specs, value_operands = ([], []) if v is None else ([lay.group_keys(Dv)], [lay.pad_keys(v)])
-  in_specs = ([lay.head_rows(d) for d in lay.parts] + [lay.group_keys(d) for d in lay.parts] + value_specs
-              + [lay.token_indices(), lay.head_rows(Dv), lay.head_rows(), lay.head_rows()])
-  operands = [*lay.split_dim(lay.pad_heads(q)), *lay.split_dim(lay.pad_keys(k)), *value_operands,
-              lay.pad_indices(indices), lay.pad_heads(dout.astype(q.dtype)), lay.pad_heads(lse, -jnp.inf),
-              lay.pad_heads(delta)]
-  accumulator_dims = (*lay.parts,) + (() if v is None else (Dv,))
-  accumulators = [jnp.zeros((lay.B, lay.S_pad, lay.G, d), jnp.float32) for d in accumulator_dims]
-  n_in = len(operands)
-  outs = pl.pallas_call(
-      functools.partial(_backward_kernel, n_parts=len(lay.parts), scale=float(scale), num_keys=lay.S,
-                        block_k=lay.block_k, value_from_key=v is None, precise=q.dtype == jnp.float32,
-                        interpret=interpret),
-      out_shape=([jax.ShapeDtypeStruct((lay.B, lay.T, lay.H_pad, d), q.dtype) for d in lay.parts]
-                 + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in accumulators]),
-      grid=lay.grid,
-      in_specs=in_specs + [lay.group_keys(a.shape[-1]) for a in accumulators],
-      out_specs=([lay.head_rows(d) for d in lay.parts] + [lay.group_keys(a.shape[-1]) for a in accumulators]),
-      input_output_aliases={n_in + i: len(lay.parts) + i for i in range(len(accumulators))},
-      compiler_params=lay.params(config),
-      interpret=interpret,
-      name="hyscale_sparse_attention_bwd",
-  )(*operands, *accumulators)
+  rows = [*lay.split_dim(lay.pad_heads(q)), lay.pad_indices(indices), lay.pad_heads(dout.astype(q.dtype)),
+          lay.pad_heads(lse, -jnp.inf), lay.pad_heads(delta)]
+  keys = [*lay.split_dim(lay.pad_keys(k))] + ([] if v is None else [lay.pad_keys(v)])
+  grad_dims = (*lay.parts,) + (() if v is None else (Dv,))
+  kernel_args = dict(scale=float(scale), value_from_key=v is None, precise=q.dtype == jnp.float32)
+  if deterministic:
+    first_pass = lambda chunk_lay, chunk_rows: _backward_call(chunk_lay, config, chunk_rows, keys, grad_dims,
+                                                              deterministic=True, **kernel_args)
+    dqs, grads = key_major.chunked_backward(first_pass, lay, rows, grad_dims, config)
+  else:
+    dqs, grads = _backward_call(lay, config, rows, keys, grad_dims, deterministic=False, **kernel_args)
   n = len(lay.parts)
-  dq = lay.unpad_heads(jnp.concatenate(outs[:n], axis=-1))
-  dk = jnp.concatenate(outs[n : 2 * n], axis=-1)[:, : lay.S]
+  dq = lay.unpad_heads(jnp.concatenate(dqs, axis=-1))
+  dk = jnp.concatenate(grads[:n], axis=-1)[:, : lay.S]
   if v is None:
     dv = None  # already inside dk's first part
   else:
-    dv = outs[-1][:, : lay.S]
+    dv = grads[-1][:, : lay.S]
     if value_is_prefix:  # values were an explicit slice of k: fold their gradient back
       dk, dv = dk + jnp.pad(dv, ((0, 0), (0, 0), (0, 0), (0, lay.Dk - Dv))), None
   dk = dk.astype(k.dtype)

@@ -34,6 +34,7 @@ def sparse_attention(
     sinks: Float[Array, "H"] | None = None,
     backend: Backend = "auto",
     value_dim: int | None = None,
+    deterministic: bool = False,
 ) -> tuple[Float[Array, "B T H Dv"], Float[Array, "B T H"]]:
   """Attention of query t over keys `indices[b, t, :]`, shared by all G key/value groups.
 
@@ -51,6 +52,14 @@ def sparse_attention(
   row (about half the backward's atomics at MLA dims). `out` and `lse` are tagged
   `remat.ATTENTION_OUT` / `remat.ATTENTION_LSE` so `"selection_replay"` saves them.
 
+  The Pallas backward adds dk/dv rows with f32 atomics, so their bits vary run to run on the GPU.
+  `deterministic=True` makes them bit-identical: the kernel writes each selected row's gradient to
+  its own slot and a key-major pass sums each key's rows in a fixed order (ascending query token,
+  then slot, then head block), queries in chunks of about 1 GiB of f32 rows; the reference sums
+  with a sort and a segmented scan instead of XLA's scatter-add. Values agree with the default to
+  f32 rounding. Under context parallelism the reduce-scatter of dk/dv across devices is the
+  collective's own order.
+
   Args:
     q: bf16|f32[B, T, H, Dk] queries.
     k: bf16|f32[B, S, G, Dk] keys.
@@ -60,6 +69,7 @@ def sparse_attention(
     sinks: optional f32[H]: adds exp(sinks[h]) to the softmax denominator and no value.
     backend: "auto", "pallas" or "reference".
     value_dim: with `v=None`, Dv (default: all of Dk). Not allowed with an explicit `v`.
+    deterministic: bit-identical dk/dv (and dq, dsinks) run to run; costs backward time and memory.
 
   Returns:
     (out [B, T, H, Dv] in q.dtype, lse f32[B, T, H]). A row with no valid index gives out = 0 and
@@ -67,16 +77,18 @@ def sparse_attention(
 
   Raises:
     ValueError: on a wrong rank, mismatched batch/length/group/dim sizes, H not divisible by G,
-      non-integer indices or non-float inputs.
+      non-integer indices, non-float inputs or a non-bool `deterministic`.
   """
   value_dim = _check_args(q, k, v, indices, scale, sinks, value_dim)
+  if not isinstance(deterministic, bool):
+    raise ValueError(f"deterministic={deterministic!r} must be a bool (True: bit-identical dk/dv run to run).")
   names = REGISTRY.candidates(backend)
 
   def attend(row_offset, local, full, replicated):
     del row_offset  # indices name global key positions
     (q, indices), (k, *v), (sinks,) = local, full, replicated
     return REGISTRY.run(names, q, k, v[0] if v else None, indices, scale=float(scale), sinks=sinks,
-                        value_dim=value_dim)
+                        value_dim=value_dim, deterministic=deterministic)
 
   gathered = (k,) if v is None else (k, v)
   mesh = _context.context_mesh()

@@ -80,11 +80,39 @@ def sparse_attention_forward_reference(q, k, v, indices, *, scale, sinks=None, q
   return join(out).astype(q.dtype), join(lse)
 
 
-def sparse_attention_backward_reference(residuals, cotangents, *, scale, query_chunk=None):
+def add_rows_by_key(acc: Float[Array, "S ..."], keys: Int[Array, "N"], rows: Float[Array, "N ..."]):
+  """`acc[keys[n]] += rows[n]` without a scatter-add (keys outside [0, S) are dropped), bit-identical run to run.
+
+  XLA's scatter-add on the GPU adds colliding rows atomically, in a varying order. Here the rows are
+  sorted by key (stable), summed within each key's run by a segmented `associative_scan` (elementwise
+  adds in an order fixed by the positions), and each key's total is gathered back: a sort, adds and
+  gathers, each deterministic on every backend.
+  """
+  S = acc.shape[0]
+  keys = jnp.where((keys >= 0) & (keys < S), keys, S)  # S sorts last and is never read back
+  order = jnp.argsort(keys, stable=True)
+  keys, rows = keys[order], rows[order]
+
+  def segmented_add(a, b):  # associative on sorted keys: a run's sum never crosses into the next key
+    (a_rows, a_keys), (b_rows, b_keys) = a, b
+    same = (a_keys == b_keys).reshape(a_keys.shape + (1,) * (a_rows.ndim - 1))
+    return jnp.where(same, a_rows + b_rows, b_rows), b_keys
+
+  running, _ = jax.lax.associative_scan(segmented_add, (rows, keys))
+  ends = jnp.searchsorted(keys, jnp.arange(S), side="right")  # one past each key's last row
+  starts = jnp.searchsorted(keys, jnp.arange(S), side="left")
+  totals = jnp.where((ends > starts).reshape((S,) + (1,) * (rows.ndim - 1)), running[jnp.maximum(ends - 1, 0)], 0.0)
+  return acc + totals
+
+
+def sparse_attention_backward_reference(residuals, cotangents, *, scale, query_chunk=None, deterministic=False):
   """Gradients (dq, dk, dv, dsinks) from the saved (q, k, v, indices, sinks, out, lse).
 
   Probabilities are recomputed from the saved `lse`; dk/dv are scatter-added at the gathered
-  positions (one add per occurrence, so duplicates count once each).
+  positions (one add per occurrence, so duplicates count once each). XLA:CPU's scatter-add is
+  sequential, but on the GPU colliding rows are added atomically; `deterministic=True` sums them
+  with `add_rows_by_key` instead (a sort and a segmented scan: more memory and time, the same bits
+  every run). The rest (gathers, einsums, reductions) is deterministic for a given compiled program.
   """
   q, k, v, indices, sinks, out, lse = residuals
   dout, dlse = cotangents
@@ -113,7 +141,10 @@ def sparse_attention_backward_reference(residuals, cotangents, *, scale, query_c
     dk_sel = scale * jnp.einsum("btgnj,btgnd->btjgd", ds_g, q_g, precision=_HIGHEST)
     dv_sel = jnp.einsum("btgnj,btgnd->btjgd", p_g, dout_g, precision=_HIGHEST)
     target = jnp.where(valid_indices(idx_c, S), idx_c, S).reshape(B, -1)  # S = dropped
-    scatter = jax.vmap(lambda acc_b, i_b, x_b: acc_b.at[i_b].add(x_b, mode="drop"))
+    if deterministic:
+      scatter = jax.vmap(add_rows_by_key)
+    else:
+      scatter = jax.vmap(lambda acc_b, i_b, x_b: acc_b.at[i_b].add(x_b, mode="drop"))
     dk_acc = scatter(dk_acc, target, dk_sel.reshape(B, -1, G, Dk))
     dv_acc = scatter(dv_acc, target, dv_sel.reshape(B, -1, G, Dv))
     if sinks is not None:
@@ -151,6 +182,7 @@ def sparse_attention_reference(
     sinks: Float[Array, "H"] | None = None,
     value_dim: int | None = None,
     query_chunk: int | None = None,
+    deterministic: bool = False,
 ) -> tuple[Float[Array, "B T H Dv"], Float[Array, "B T H"]]:
   """Softmax attention of each query over its listed keys, `query_chunk` queries at a time.
 
@@ -158,6 +190,8 @@ def sparse_attention_reference(
 
   Memory is O(query_chunk * K * G * (Dk + Dv)) for the gathered tiles, never O(T * K * D). The
   custom_vjp keeps (indices, out, lse) as residuals (`attention_with_saved_residuals`).
+  `deterministic` makes the backward's dk/dv sums bit-identical run to run on the GPU too
+  (`sparse_attention_backward_reference`).
 
   Returns:
     (out in q.dtype [B, T, H, Dv], lse f32[B, T, H]).
@@ -167,5 +201,5 @@ def sparse_attention_reference(
   return attention_with_saved_residuals(
       functools.partial(sparse_attention_forward_reference, query_chunk=query_chunk),
       functools.partial(sparse_attention_backward_reference, query_chunk=query_chunk),
-      q, k, v, indices.astype(jnp.int32), scale=float(scale), sinks=sinks,
+      q, k, v, indices.astype(jnp.int32), scale=float(scale), sinks=sinks, deterministic=deterministic,
   )
