@@ -14,6 +14,8 @@ when jax moves: it checks the pinned version, that the Triton IR for an abstract
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 from jax._src import core as jax_core
 from jax._src import tree_util
 from jax._src.lib.triton import dialect as tt_dialect
@@ -58,3 +60,27 @@ def relaxed_atomic_add(ref, idx, val, *, mask=None):
   ref, transforms = state_primitives.get_ref_and_transforms(ref, idx, "relaxed_atomic_add")
   args_flat, args_tree = tree_util.tree_flatten((ref, transforms, val, mask))
   return relaxed_atomic_add_p.bind(*args_flat, args_tree=args_tree, atomic_type=_ADD)
+
+
+def scatter_add_rows(acc_ref, rows, valid, values, interpret):
+  """acc_ref[rows[j], :] += values[j, :] for valid j (values f32[n, d]), duplicate rows adding once each.
+
+  The gradient scatter of the Pallas backward kernels. Interpret mode (CPU tests) differs in one
+  way: Pallas's interpret rule for an atomic add reads all lanes, then writes all lanes, so two lanes
+  with the same row would lose an update, and it has no masks. So there duplicate rows are first
+  summed into their first occurrence, and skipped lanes point past the accumulator (the write is
+  dropped); on the GPU the hardware atomics take duplicates as they come and masks skip lanes.
+  """
+  n, d = values.shape
+  if interpret:
+    same = (rows[:, None] == rows[None, :]) & valid[:, None] & valid[None, :]
+    earlier = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1) < jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    first = valid & ~jnp.any(same & earlier, axis=1)
+    values = jax.lax.dot_general((same & first[:, None]).astype(jnp.float32), values,
+                                 (((1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST)
+    rows = jnp.where(first, rows, acc_ref.shape[0])
+    mask = None
+  else:
+    mask = jnp.broadcast_to(valid[:, None], (n, d))
+  cols = jax.lax.broadcasted_iota(jnp.int32, (n, d), 1)
+  relaxed_atomic_add(acc_ref, (jnp.broadcast_to(rows[:, None], (n, d)), cols), values, mask=mask)

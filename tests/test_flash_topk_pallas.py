@@ -491,3 +491,44 @@ def test_ordered_bits_orders_like_the_scores_and_inverts():
   keys = np.asarray(ordered_bits(jnp.asarray(values)))
   assert (np.diff(keys.astype(np.int64)) > 0).all() and keys.min() >= 1
   np.testing.assert_array_equal(np.asarray(from_ordered_bits(jnp.asarray(keys))), values)
+
+
+# --------------------------------------------------------------------------------------------
+# The indexer's scores at selected keys, with their custom_vjp (`pallas_kernels.flash_topk.scores_at`).
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype, weighted", [(jnp.float32, True), (jnp.float32, False), (jnp.bfloat16, True)])
+def test_index_scores_at_kernel_matches_the_reference_and_its_gradient(dtype, weighted):
+  """Scores and (dq, dk, dw) against `index_scores_at` and its XLA vjp: indices past both ends (clamped,
+  as the reference), a key selected three times in one row, a cotangent with zeros (no atomics
+  there), heads and head dim off powers of two, K off the step size."""
+  from hyscale_jax.ops.flash_topk.reference import index_scores_at  # noqa: PLC0415
+  from pallas_kernels.flash_topk import index_scores_at_pallas  # noqa: PLC0415
+
+  rng = np.random.default_rng(21)
+  B, T, H, D, S, K = 2, 5, 3, 20, 11, 7
+  q, k = (jnp.asarray(rng.standard_normal(sh), dtype) for sh in ((B, T, H, D), (B, S, D)))
+  w = jnp.asarray(rng.standard_normal((B, T, H)), dtype) if weighted else None
+  idx = rng.integers(-2, S + 2, (B, T, K)).astype(np.int32)
+  idx[0, 0, :3] = 4
+  idx = jnp.asarray(idx)
+  g = jnp.asarray(rng.standard_normal((B, T, K)), jnp.float32).at[:, :, 0].set(0.0)
+  args = (q, k) if w is None else (q, k, w)
+  got, got_vjp = jax.vjp(lambda *a: index_scores_at_pallas(*a[:2], a[2] if w is not None else None, idx, 0.3,
+                                                           block_k=4), *args)
+  want, want_vjp = jax.vjp(lambda *a: index_scores_at(*a[:2], a[2] if w is not None else None, idx, 0.3), *args)
+  tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=5e-2)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol)
+  for a, b in zip(got_vjp(g), want_vjp(g)):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(a, b, rtol=tol["rtol"], atol=tol["atol"] * np.abs(b).max())
+
+
+def test_index_scores_at_kernel_rejects_a_step_that_is_not_a_power_of_two():
+  from pallas_kernels.flash_topk import index_scores_at_pallas  # noqa: PLC0415
+
+  with pytest.raises(ValueError, match="block_k=3"):
+    index_scores_at_pallas(jnp.zeros((1, 2, 2, 4)), jnp.zeros((1, 3, 4)), None, jnp.zeros((1, 2, 2), jnp.int32),
+                           1.0, block_k=3)

@@ -190,16 +190,19 @@ def test_indexer_loss_pallas_backend_matches_reference():
   idx[0, 1, 1] = idx[0, 1, 0]
   _, lse = ops.sparse_attention(aq, ak, ak, idx, scale=0.3)
 
-  def loss(backend):
+  def loss(backend, grad_in_forward, weights):
     f = lambda iq, ik, iw: ops.indexer_loss(iq, ik, iw, aq, ak, lse, idx, attn_scale=0.3, index_scale=0.5,
-                                            backend=backend)
-    return jax.value_and_grad(f, argnums=(0, 1, 2))(iq, ik, iw)
+                                            grad_in_forward=grad_in_forward, backend=backend)
+    return jax.value_and_grad(f, argnums=(0, 1) if weights is None else (0, 1, 2))(iq, ik, weights)
 
-  (got, got_grads), (want, want_grads) = loss("pallas"), loss("reference")
-  assert float(want) > 1e-3
-  np.testing.assert_allclose(got, want, rtol=1e-5)
-  for g, w in zip(got_grads, want_grads):
-    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6 * np.abs(w).max())
+  # Both kernels (teacher, and the indexer's scores at the selected keys with their gradient), with
+  # the gradient in the backward pass or in the forward, with and without head weights.
+  for grad_in_forward, weights in ((False, iw), (True, iw), (False, None)):
+    (got, got_grads), (want, want_grads) = loss("pallas", grad_in_forward, weights), loss("reference", False, weights)
+    assert float(want) > 1e-3
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+      np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6 * np.abs(w).max())
   with pytest.raises(NotImplementedError, match="sparse form"):
     ops.indexer_loss(iq, ik, iw, aq, ak, lse, None, attn_scale=0.3, backend="pallas")
 

@@ -31,11 +31,8 @@ parts (576 = 512 + 64 for absorbed MLA), pad the selection to a multiple of `blo
 key length to a power of two, and each group's heads to a multiple of `block_h` (QSA's 12 heads per
 group become 16). They decline (NotImplementedError) a value head dim that is not a power of two.
 
-Interpret mode (CPU tests) runs the same kernels, with one difference in the scatter: Pallas's
-interpret rule for `atomic_add` reads all lanes, then writes all lanes, so two lanes with the same
-row would lose an update, and it has no masks. So in interpret mode duplicate rows within a block
-are summed into their first occurrence first, and skipped lanes point past the accumulator (the
-write is dropped); on the GPU the hardware atomics take duplicates as they come and masks skip lanes.
+Interpret mode (CPU tests) runs the same kernels, with one difference in the scatter
+(`_relaxed_atomics.scatter_add_rows` says which).
 """
 
 from __future__ import annotations
@@ -48,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._relaxed_atomics import relaxed_atomic_add
+from pallas_kernels._relaxed_atomics import scatter_add_rows
 from pallas_kernels.sparse_attention import key_major
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -77,6 +74,12 @@ class Config:
     while block_k > 16 and 2 * block_k * (Dk + Dv) * itemsize > 160 * 1024:
       block_k //= 2
     return cls(block_k=block_k)
+
+  @classmethod
+  def teacher_heuristics(cls, Dk: int, itemsize: int) -> "Config":
+    """The forward's rule for block_k with no value rows, on 4 warps: at MLA dims (64 heads, 576, k 2048,
+    16K rows) 11.96 ms against 17.38 on 8 warps, on the H200 (bench/NOTES.md)."""
+    return dataclasses.replace(cls.heuristics(Dk, 0, itemsize), num_warps=4)
 
   @classmethod
   def backward_heuristics(cls, Dk: int, Dv: int, itemsize: int) -> "Config":
@@ -345,25 +348,6 @@ def sparse_attention_forward_pallas(q, k, v, indices, *, scale, sinks=None, valu
 # Backward.
 
 
-def _scatter_add(acc_ref, rows, valid, values, interpret):
-  """acc_ref[rows[j], :] += values[j, :] for valid j, with duplicate rows adding once each."""
-  n, d = values.shape
-  if interpret:
-    # Fold duplicates into their first occurrence (the interpret rule would keep only one), and
-    # point every other lane past the accumulator, where the write is dropped.
-    same = (rows[:, None] == rows[None, :]) & valid[:, None] & valid[None, :]
-    earlier = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1) < jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
-    first = valid & ~jnp.any(same & earlier, axis=1)
-    values = jax.lax.dot_general((same & first[:, None]).astype(jnp.float32), values,
-                                 (((1,), (0,)), ((), ())), precision=_HIGHEST)
-    rows = jnp.where(first, rows, acc_ref.shape[0])
-    mask = None
-  else:
-    mask = jnp.broadcast_to(valid[:, None], (n, d))
-  cols = jax.lax.broadcasted_iota(jnp.int32, (n, d), 1)
-  relaxed_atomic_add(acc_ref, (jnp.broadcast_to(rows[:, None], (n, d)), cols), values, mask=mask)
-
-
 def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, value_from_key, precise, interpret, deterministic):
   # Inputs: q parts [block_h, d_i] ..., k parts [S_pad, d_i] ..., v [S_pad, Dv] (absent when the
   # values are the first key part), indices [K_pad], dout [block_h, Dv], lse [block_h],
@@ -393,7 +377,7 @@ def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, value_from_key, p
       if deterministic:
         ref[pl.ds(j * block_k, block_k), :] = rows  # invalid slots hold zeros and are never read
       else:
-        _scatter_add(ref, safe, valid, rows, interpret)
+        scatter_add_rows(ref, safe, valid, rows, interpret)
 
     ks = [k_ref[safe, :] for k_ref in k_refs]  # gathered once for S, dq and (MLA, V4) the values
     s = _logits(qs, ks, precision) * scale
@@ -552,7 +536,7 @@ def attention_teacher_pallas(q, k, lse, indices, *, scale, config: Config | None
   Args:
     q: bf16|f32[B, T, H, Dk]; k: bf16|f32[B, S, G, Dk]; lse: f32[B, T, H]; indices: int[B, T, K].
   """
-  config, interpret = _resolve(config, Config.heuristics(q.shape[-1], 0, jnp.dtype(k.dtype).itemsize), interpret)
+  config, interpret = _resolve(config, Config.teacher_heuristics(q.shape[-1], jnp.dtype(k.dtype).itemsize), interpret)
   lay = _Layout.make(q, k, None, indices, config, interpret)
   n_blocks = lay.grid[2]
   partial_mass = pl.pallas_call(

@@ -17,24 +17,26 @@ REGISTRY = BackendRegistry(
 )
 
 
-def _with_pallas_teacher(teacher_kernel):
-  """The sparse form with the teacher from the Pallas kernel; the rest is one fused XLA chunk.
+def _with_pallas_kernels(teacher_kernel):
+  """The sparse form with the teacher and the indexer's scores at the selected keys (and their
+  gradient) from Pallas kernels; the softmax, KL and logit gradient are XLA over [chunk, K].
 
-  Query chunks of 1024 rows keep the kernel's grid wide on the GPU while the XLA side (indexer
-  logits at the selected keys, [chunk, K, HI] f32) stays near 0.5 GB.
+  Query chunks of 1024 rows keep the kernels' grids wide on the GPU.
   """
+  from pallas_kernels.flash_topk import index_scores_at_pallas  # noqa: PLC0415 - beside the teacher's package
 
   def loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices=None, **kwargs):
     if indices is None:
       raise NotImplementedError("indexer_loss: the pallas backend covers the sparse form (indices given).")
     return indexer_loss_reference(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices,
-                                  teacher_mass=teacher_kernel, query_chunk=1024, **kwargs)
+                                  teacher_mass=teacher_kernel, scores_at=index_scores_at_pallas, query_chunk=1024,
+                                  **kwargs)
 
   return loss
 
 
 REGISTRY.register_optional("pallas", "pallas_kernels.sparse_attention", "attention_teacher_pallas",
-                           wrap=_with_pallas_teacher)
+                           wrap=_with_pallas_kernels)
 
 
 def _xla_baseline(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices=None, *,

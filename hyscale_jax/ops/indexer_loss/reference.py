@@ -9,6 +9,8 @@ that context parallelism can weight the shards' means into the global one.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,20 @@ from hyscale_jax.ops.sparse_attention.reference import (
 )
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class SparseKernels(NamedTuple):
+  """What the sparse form computes with (a static argument of its custom_vjp).
+
+  teacher_mass: `(attn_q, attn_k, attn_lse, indices, *, scale) -> f32[B, t, K]`, the teacher.
+  pool: "sum" or "max", how QSA pools the teacher over each index key's attention keys.
+  scores_at: `(index_q, index_k, index_weights, indices, index_scale) -> f32[B, t, K]`, the student's
+    scores at the selected keys; differentiable in the first three.
+  """
+
+  teacher_mass: Callable
+  pool: str
+  scores_at: Callable
 
 
 def _row_mean(row_kl, row_valid):
@@ -47,14 +63,14 @@ def teacher_mass_reference(
   return probs_from_lse(attention_logits_at(attn_q, attn_k, indices, scale), attn_lse).sum(axis=2)
 
 
-def _teacher_at(teacher, attn_q, attn_k, attn_lse, indices, key_tokens, valid, scale):
-  """f32[B, t, K] teacher mass at each selected index key; `teacher` is (teacher_mass, pool).
+def _teacher_at(kernels, attn_q, attn_k, attn_lse, indices, key_tokens, valid, scale):
+  """f32[B, t, K] teacher mass at each selected index key, by `kernels.teacher_mass` and `kernels.pool`.
 
   Without `key_tokens` an index key is an attention key (`teacher_mass` gives 0 at invalid
   indices). With them (QSA), index key j stands for the attention keys key_tokens[..., j, :], and
   its mass is the pool (sum or max) of theirs, 0 where index key j itself is invalid (`valid`).
   """
-  teacher_mass, pool = teacher
+  teacher_mass, pool = kernels.teacher_mass, kernels.pool
   if key_tokens is None:
     return teacher_mass(attn_q, attn_k, attn_lse, indices, scale=scale)
   B, t, K, P = key_tokens.shape
@@ -64,12 +80,18 @@ def _teacher_at(teacher, attn_q, attn_k, attn_lse, indices, key_tokens, valid, s
   return jnp.where(valid, pooled, 0.0)
 
 
-def _sparse_chunk(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens, scales, teacher):
-  """Student log-probs, teacher probs and row validity for a chunk of rows: [B, t, K] x2, [B, t]."""
+def _sparse_chunk(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens, scales, kernels,
+                  scores=None):
+  """Student log-probs, teacher probs and row validity for a chunk of rows: [B, t, K] x2, [B, t].
+
+  `scores`: the indexer scores at `indices` when the caller has them (from its `jax.vjp`).
+  """
   index_scale, attn_scale = scales
   valid = valid_indices(indices, index_k.shape[1])
-  logits = jnp.where(valid, index_scores_at(index_q, index_k, index_weights, indices, index_scale), -jnp.inf)
-  teacher = _teacher_at(teacher, attn_q, attn_k, attn_lse, indices, key_tokens, valid, attn_scale)
+  if scores is None:
+    scores = kernels.scores_at(index_q, index_k, index_weights, indices, index_scale)
+  logits = jnp.where(valid, scores, -jnp.inf)
+  teacher = _teacher_at(kernels, attn_q, attn_k, attn_lse, indices, key_tokens, valid, attn_scale)
   mass = teacher.sum(axis=-1)
   row_valid = valid.any(axis=-1) & (mass > 0)
   target = teacher / jnp.where(row_valid, mass, 1.0)[..., None]
@@ -86,10 +108,10 @@ def _kl_rows(log_student, target):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens, scales, chunk,
-                 teacher, rescore=False):
+                 kernels, rescore=False):
   """(f32[] mean KL over counted rows, i32[] rows counted); `rescore`: see `_chunk_grads`."""
   return _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens, scales,
-                          chunk, teacher, rescore)[0]
+                          chunk, kernels, rescore)[0]
 
 
 def _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, key_tokens, chunk):
@@ -100,12 +122,12 @@ def _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, key_to
 
 
 def _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens, scales, chunk,
-                     teacher, rescore=False):
+                     kernels, rescore=False):
   del rescore  # only the backward pass differs
 
   def chunk_rows(xs):
     iq, iw, aq, alse, idx, tok = xs
-    log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, tok, scales, teacher)
+    log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, tok, scales, kernels)
     return _kl_rows(log_student, target), row_valid
 
   xs, _ = _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, key_tokens, chunk)
@@ -115,37 +137,42 @@ def _sparse_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, 
   return (loss, n_valid), residuals
 
 
-def _chunk_grads(index_k, attn_k, scales, teacher, coef, rescore, xs):
+def _chunk_grads(index_k, attn_k, scales, kernels, coef, rescore, xs):
   """One row chunk: (dq, dk, dw) of `coef * sum of the rows' KL`, and the rows' (KL, validity).
 
   The logit gradient is the closed form `softmax(I) - p` on the support. `rescore` (the
   Megatron-style baseline, `xla_baseline`) pulls it back through the dense score rows of the chunk
   against every key, as Megatron's FusedDSAIndexerLoss backward does; otherwise through the scores
-  at the selected keys only (O(K) per row).
+  at the selected keys only (O(K) per row, `kernels.scores_at`, computed once for the loss and its
+  pullback).
   """
   iq, iw, aq, alse, idx, tok = xs
-  log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, tok, scales, teacher)
   valid = valid_indices(idx, index_k.shape[1])
+  if rescore:
+    log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, tok, scales, kernels)
+    scores = lambda q_, k_, w_: index_scores(q_, k_, w_, scales[0])  # [B, c, S]: every key, rescored
+    _, pullback = jax.vjp(scores, iq, index_k, iw)
+  else:
+    at = lambda q_, k_, w_: kernels.scores_at(q_, k_, w_, idx, scales[0])
+    scores, pullback = jax.vjp(at, iq, index_k, iw)
+    log_student, target, row_valid = _sparse_chunk(iq, index_k, iw, aq, attn_k, alse, idx, tok, scales, kernels,
+                                                   scores=scores)
   g = jnp.where(row_valid[..., None] & valid, jnp.exp(log_student) - target, 0.0) * coef  # [B, c, K]
   if rescore:
-    scores = lambda q_, k_, w_: index_scores(q_, k_, w_, scales[0])  # [B, c, S]: every key, rescored
     safe = jnp.where(valid, idx, 0)
     g = jax.vmap(lambda gb, ib: jnp.zeros((ib.shape[0], index_k.shape[1]), jnp.float32).at[
         jnp.arange(ib.shape[0])[:, None], ib].add(gb))(g, safe)
-  else:
-    scores = lambda q_, k_, w_: index_scores_at(q_, k_, w_, idx, scales[0])
-  _, pullback = jax.vjp(scores, iq, index_k, iw)
   dq, dk, dw = pullback(g)
   return (dq, dk.astype(jnp.float32), dw), (_kl_rows(log_student, target), row_valid)
 
 
-def _sparse_loss_bwd(scales, chunk, teacher, rescore, residuals, cts):
+def _sparse_loss_bwd(scales, chunk, kernels, rescore, residuals, cts):
   ct = cts[0]  # the row count is an integer: no cotangent
   index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens, n_valid = residuals
   coef = ct / jnp.maximum(n_valid, 1).astype(jnp.float32)
 
   def chunk_grads(dk, xs):
-    (dq, dk_chunk, dw), _ = _chunk_grads(index_k, attn_k, scales, teacher, coef, rescore, xs)
+    (dq, dk_chunk, dw), _ = _chunk_grads(index_k, attn_k, scales, kernels, coef, rescore, xs)
     return dk + dk_chunk, (dq, dw)
 
   xs, join = _sparse_row_chunks(index_q, index_weights, attn_q, attn_lse, indices, key_tokens, chunk)
@@ -156,7 +183,7 @@ def _sparse_loss_bwd(scales, chunk, teacher, rescore, residuals, cts):
 
 
 def _sparse_loss_grad_in_forward(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens,
-                                 scales, chunk, teacher):
+                                 scales, chunk, kernels):
   """The sparse loss with its gradient computed in the same pass over the rows, and saved.
 
   One scan computes each chunk's KL and its gradient at unit cotangent (the teacher once); the
@@ -169,7 +196,7 @@ def _sparse_loss_grad_in_forward(index_q, index_k, index_weights, attn_q, attn_k
   iq0, ik0, iw0, aq, ak, alse = sg((index_q, index_k, index_weights, attn_q, attn_k, attn_lse))
 
   def chunk_grads(dk, xs):
-    (dq, dk_chunk, dw), rows = _chunk_grads(ik0, ak, scales, teacher, jnp.float32(1), False, xs)
+    (dq, dk_chunk, dw), rows = _chunk_grads(ik0, ak, scales, kernels, jnp.float32(1), False, xs)
     return dk + dk_chunk, (dq, dw, rows)
 
   xs, join = _sparse_row_chunks(iq0, iw0, aq, alse, indices, key_tokens, chunk)
@@ -384,6 +411,7 @@ def indexer_loss_reference(
     query_chunk: int = 64,
     key_chunk: int = 256,
     teacher_mass=teacher_mass_reference,
+    scores_at=index_scores_at,
     with_row_count: bool = False,
     grad_in_forward: bool = False,
     rescore: bool = False,
@@ -396,9 +424,9 @@ def indexer_loss_reference(
   over the same support. With `with_row_count`, returns (loss, i32[] rows counted in the mean).
   `key_tokens` (sparse form, QSA): the attention keys behind each selected index key, whose
   teacher masses are pooled by `key_pool` (see `ops.indexer_loss`).
-  `teacher_mass` computes the sparse form's teacher (the Pallas backend passes its kernel); the
-  teacher is recomputed in the backward pass rather than saved, since [T, K] f32 per layer is
-  8.6 GB at 1M tokens.
+  `teacher_mass` computes the sparse form's teacher and `scores_at` the indexer's scores at the
+  selected keys (the Pallas backend passes its kernels for both); the teacher is recomputed in the
+  backward pass rather than saved, since [T, K] f32 per layer is 8.6 GB at 1M tokens.
 
   Sparse-form variants (same value and gradient, different cost):
     grad_in_forward: compute the gradient with the loss and save it (`_sparse_loss_grad_in_forward`).
@@ -406,17 +434,17 @@ def indexer_loss_reference(
       `xla_baseline` backend.
   """
   scales = (float(index_scale), float(attn_scale))
-  teacher = (teacher_mass, str(key_pool))
+  kernels = SparseKernels(teacher_mass, str(key_pool), scores_at)
   if key_tokens is not None:
     if indices is None:
       raise NotImplementedError("indexer_loss: key_tokens covers the sparse form (indices given).")
     key_tokens = key_tokens.astype(jnp.int32)
   if indices is not None and grad_in_forward:
     out = _sparse_loss_grad_in_forward(index_q, index_k, index_weights, attn_q, attn_k, attn_lse,
-                                       indices.astype(jnp.int32), key_tokens, scales, int(query_chunk), teacher)
+                                       indices.astype(jnp.int32), key_tokens, scales, int(query_chunk), kernels)
   elif indices is not None:
     out = _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices.astype(jnp.int32),
-                       key_tokens, scales, int(query_chunk), teacher, bool(rescore))
+                       key_tokens, scales, int(query_chunk), kernels, bool(rescore))
   else:
     positions = (jnp.asarray(q_offset, jnp.int32), segment_ids)
     out = _dense_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions,
