@@ -67,6 +67,17 @@ def test_train_stops_with_the_estimate_and_knobs_when_the_device_is_too_small(tm
   assert not (tmp_path / "run").exists()
 
 
+def test_deterministic_attention_adds_its_slabs_up_to_the_kernel_budget():
+  est = lambda cfg, T: memory.estimate_training_memory(cfg, batch_size=1, seq_len=T, param_count=10**9).components
+  det = dataclasses.replace(_GLM_FULL, sparse_attention_deterministic=True)
+  assert est(_GLM_FULL, 1 << 14)["deterministic attention slabs"] == 0
+  assert est(det, 1 << 14)["deterministic attention slabs"] == 1 << 30  # capped: the kernel runs query chunks
+  # Under the cap: every selected key's f32 row of width Dk, once per 32-head block.
+  _, _, key_width = memory._attention_dims(det)
+  slabs = 64 * det.index_topk * key_width * 4 * -(-det.n_heads // 32)
+  assert est(det, 64)["deterministic attention slabs"] == slabs < 1 << 30
+
+
 def test_selection_replay_saves_the_selection_of_indexer_layers_only():
   from configs import qwen3_8_flash_next  # noqa: PLC0415
 

@@ -14,6 +14,8 @@ The estimate adds, per device:
   time and the FFN sub-block one `model.ffn_token_chunk`, when those chunk), or the all-gathered
   key rows under context parallelism (counted at full T even when MLA query chunking would hold
   them one chunk at a time: an upper bound);
+- with `model.sparse_attention_deterministic`, the backward's f32 contribution slabs (at most the
+  kernel's `Config.chunk_bytes`, 1 GiB);
 - the routed experts of one MoE layer's backward, for one token chunk (`model.moe_token_chunk`,
   all tokens when 0) of R = tokens x experts_per_token dispatched rows (`moe_expert_bytes`): with
   `ops.grouped_matmul`'s Hopper kernels, the rows and the experts' activations and their gradients,
@@ -228,6 +230,19 @@ def _indexer_grads(cfg: ModelConfig, seq_len: int) -> float:
   return (cfg.index_n_heads * (cfg.index_head_dim + 1) + key_grads * cfg.index_head_dim) * a
 
 
+def _deterministic_slabs(cfg: ModelConfig, rows: float, key_width: int) -> float:
+  """The f32 slabs of `model.sparse_attention_deterministic`'s backward: every selected key's gradient
+  row per head block (32 heads), over query chunks capped at the kernel's `Config.chunk_bytes`. At MLA
+  16K on the H200 the deterministic backward's temporaries were 2.48 GB against the atomic 1.39 GB
+  (bench/results/sparse_attention_deterministic.json), the 1 GiB cap plus its sort."""
+  if not cfg.sparse_attention_deterministic:
+    return 0.0
+  from pallas_kernels.sparse_attention import Config  # noqa: PLC0415 - its default budget is the cap
+
+  head_blocks = max(1, math.ceil(cfg.n_heads / Config.backward_heuristics(0, 0, 0).block_h))
+  return min(float(Config().chunk_bytes), rows * cfg.index_topk * key_width * 4 * head_blocks)
+
+
 def grouped_matmul_kernel_applies(cfg: ModelConfig) -> bool:
   """Whether `ops.grouped_matmul` runs its Hopper kernel here ("auto" on an sm_90 GPU, bf16/f16), not ragged_dot."""
   if jax.default_backend() != "gpu" or jnp.dtype(cfg.dtype).itemsize != 2:
@@ -323,6 +338,7 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
                                              if _runs_in_chunks(cfg, seq_len) else 0),
       # One MoE layer's backward at a time; every remat policy runs it.
       "MoE routed experts": max(moe_expert_bytes(c, i, rows, grouped_kernel=grouped_kernel) for c, i in blocks),
+      "deterministic attention slabs": _deterministic_slabs(cfg, rows, key_width),
       "runtime reserve": RUNTIME_RESERVE_BYTES,
   }
   return MemoryEstimate({k: int(v) for k, v in components.items()})
