@@ -51,9 +51,8 @@ def _rows(idx_ref, k_ref, j, block_k):
   return k_ref[safe, :], safe
 
 
-def _forward_kernel(q_ref, k_ref, w_ref, idx_ref, out_ref, *, scale, block_k, num_keys, precise):
-  # q [heads, D], k [S, D] (S = num_keys), w [heads] f32, indices [K_pad] -> out [K_pad] f32.
-  del num_keys
+def _forward_kernel(q_ref, k_ref, w_ref, idx_ref, out_ref, *, scale, block_k, precise):
+  # q [heads, D], k [S, D], w [heads] f32, indices [K_pad] -> out [K_pad] f32.
   q, w = q_ref[...], w_ref[...]
 
   def step(j, carry):
@@ -110,13 +109,11 @@ def _padded(q, k, weights, indices, block_k, interpret):
   return q, k, w, indices, block_k
 
 
-def _specs(q, k):
-  """BlockSpecs for one token's program on grid (B, T): q [heads, D], k [S, D], w [heads], a [K_pad] row."""
-  heads, dim = q.shape[2:]
-  S = k.shape[1]
+def _specs(k):
+  """(token(*shape): the BlockSpec of one token's [*shape] block on grid (B, T), the BlockSpec of the
+  batch's whole [S, D] key slab)."""
   token = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, t: (b, t) + (0,) * len(shape))
-  whole_k = pl.BlockSpec((None, S, dim), lambda b, t: (b, 0, 0))
-  return token, whole_k
+  return token, pl.BlockSpec((None, *k.shape[1:]), lambda b, t: (b, 0, 0))
 
 
 def _resolve_interpret(interpret):
@@ -129,10 +126,9 @@ def _forward(q, k, weights, indices, scale, block_k, num_warps, interpret):
   K = indices.shape[-1]
   qp, kp, wp, ip, block_k = _padded(q, k, weights, indices, block_k, interpret)
   heads, dim = qp.shape[2:]
-  token, whole_k = _specs(qp, kp)
+  token, whole_k = _specs(kp)
   out = pl.pallas_call(
-      functools.partial(_forward_kernel, scale=float(scale), block_k=block_k, num_keys=k.shape[1],
-                        precise=q.dtype == jnp.float32),
+      functools.partial(_forward_kernel, scale=float(scale), block_k=block_k, precise=q.dtype == jnp.float32),
       out_shape=jax.ShapeDtypeStruct((B, T, ip.shape[-1]), jnp.float32),
       grid=(B, T),
       in_specs=[token(heads, dim), whole_k, token(heads), token(ip.shape[-1])],
@@ -151,7 +147,7 @@ def _backward(q, k, weights, indices, g, scale, block_k, num_warps, interpret):
   qp, kp, wp, ip, block_k = _padded(q, k, weights, indices, block_k, interpret)
   heads, dim = qp.shape[2:]
   gp = jnp.pad(g.astype(jnp.float32), ((0, 0), (0, 0), (0, ip.shape[-1] - K)))
-  token, whole_k = _specs(qp, kp)
+  token, whole_k = _specs(kp)
   dk = jnp.zeros(kp.shape, jnp.float32)
   dq, dw, dk = pl.pallas_call(
       functools.partial(_backward_kernel, scale=float(scale), block_k=block_k, precise=q.dtype == jnp.float32,
