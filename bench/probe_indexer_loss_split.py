@@ -2,6 +2,7 @@
 
 GLM-5.1 shapes: attention MQA H 64, Dk 576; indexer 32 heads x 128; k 2048; random causal selections.
 """
+import dataclasses
 import functools
 import sys
 
@@ -19,7 +20,6 @@ from timing import timed  # noqa: E402
 
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
 shape = SHAPES["mla64"]
-import dataclasses  # noqa: E402
 shape = dataclasses.replace(shape, index_heads=32)
 x = make_inputs(shape, T)
 scale = shape.Dk ** -0.5

@@ -82,7 +82,7 @@ class Config:
     _check_kind(kind)
     del m, g
     block_m = 128 if kind != "transposed" or k % 128 == 0 else 64
-    block_n = 128 if -(-n // 256) * 256 <= 1.2 * n else 64
+    block_n = 128 if _pads_little(n, 256) else 64
     blocks = -(-n // (2 * block_n))
     if kind == "transposed":
       band = 4 if blocks >= 4 else 1
@@ -103,11 +103,16 @@ class Config:
         (128, 128, 3, 4), (128, 128, 3, 16), (128, 128, 3, 2), (128, 128, 3, 1), (64, 128, 4, 8), (128, 64, 4, 8),
         (128, 64, 4, 4)):
       config = cls(block_m=block_m, block_n=block_n, max_concurrent_steps=steps, grid_block_n=grid_block_n)
-      if -(-n // config.columns) * config.columns > 1.2 * n or (kind == "transposed" and k % block_m):
+      if not _pads_little(n, config.columns) or (kind == "transposed" and k % block_m):
         continue
       if config not in found and config.smem_bytes(itemsize) <= 227 * 1024:
         found.append(config)
     return tuple(found[:6])
+
+
+def _pads_little(n: int, columns: int) -> bool:
+  """Whether CTAs of `columns` cover N with at most 20% past it (the kernels read those as zeros)."""
+  return -(-n // columns) * columns <= 1.2 * n
 
 
 def _check_kind(kind: str) -> None:
