@@ -7,13 +7,15 @@ keys per row: random causal picks `randint % (t + 1)`, and slots j > t hold -1 (
 row shorter than k), plus one empty row and one out-of-range index. Both kernels run on NaN-poisoned
 memory; the new one is checked against the Triton one on every row and both against the f32
 gathered jnp reference on a few hundred rows (the first 80, a random 200, the last 16). Then each is
-timed: median of `reps` synchronised calls after a warm-up. FLOPs 2 T H k (576 + 512).
+timed: median of `reps` synchronised calls after a warm-up. FLOPs 2 T H k (576 + 512). The Mosaic
+GPU kernel runs with its heuristic config and with `gathers_in_flight=1` (one step of loads at a time).
 
 A first small call runs in a subprocess with a timeout, so a deadlocked kernel ends the probe
 instead of the device session.
 """
 
 import argparse
+import dataclasses
 import functools
 import os
 import subprocess
@@ -67,34 +69,39 @@ def smoke(T: int, config: Config):
         flush=True)
 
 
-def compare(T: int, config: Config, reps: int):
+def compare(T: int, configs: dict, reps: int):
+  """Every config checked (against the reference on `check_rows`, and against Triton on all rows), then timed."""
   q, k, idx = make_inputs(T)
   scale = DK**-0.5
-  triton = jax.jit(functools.partial(sparse_attention_forward_pallas, scale=scale, value_dim=DV))
-  mgpu = jax.jit(functools.partial(sparse_attention_forward_mgpu, scale=scale, value_dim=DV, config=config))
-  shapes = jax.eval_shape(triton, q, k, None, idx)
-  poison(*shapes)
-  out_t, lse_t = triton(q, k, None, idx)
-  poison(*shapes)
-  out_m, lse_m = mgpu(q, k, None, idx)
+  fns = {"triton": jax.jit(functools.partial(sparse_attention_forward_pallas, scale=scale, value_dim=DV))}
+  for name, config in configs.items():
+    fns[f"mgpu {name}"] = jax.jit(functools.partial(sparse_attention_forward_mgpu, scale=scale, value_dim=DV,
+                                                    config=config))
+  shapes = jax.eval_shape(fns["triton"], q, k, None, idx)
   rows = check_rows(T)
   out_r, lse_r = jax.jit(lambda q, i: sparse_attention_forward_reference(q, k, k[..., :DV], i, scale=scale))(
       q[:, rows], idx[:, rows])
   f32 = lambda a: np.asarray(a, np.float32)
-  errors = {}
-  for name, out, lse in (("mgpu", out_m, lse_m), ("triton", out_t, lse_t)):
+  base = None
+  for name, fn in fns.items():
+    poison(*shapes)
+    out, lse = fn(q, k, None, idx)
     o, l, lr = f32(out[:, rows]), f32(lse[:, rows]), f32(lse_r)
     fin = np.isfinite(lr)
-    errors[name] = dict(out=float(np.max(np.abs(o - f32(out_r)))), lse=float(np.max(np.abs(l[fin] - lr[fin]))),
-                        empty_ok=bool(np.all(l[~fin] == -np.inf) and np.all(o[~fin] == 0)), nan=bool(np.isnan(o).any()))
-  full = dict(out=float(jnp.max(jnp.abs(out_m.astype(jnp.float32) - out_t.astype(jnp.float32)))),
-              lse=float(jnp.max(jnp.where(jnp.isfinite(lse_t), jnp.abs(lse_m - lse_t), 0.0))),
-              nan=bool(jnp.isnan(out_m).any() | jnp.isnan(lse_m).any()),
-              same_empty=bool(jnp.all(jnp.isfinite(lse_t) == jnp.isfinite(lse_m))))
-  print(f"T={T} vs reference on {rows.size} rows: {errors}", flush=True)
-  print(f"T={T} mgpu vs triton, all rows: {full}", flush=True)
+    err = dict(out=float(np.max(np.abs(o - f32(out_r)))), lse=float(np.max(np.abs(l[fin] - lr[fin]))),
+               empty_ok=bool(np.all(l[~fin] == -np.inf) and np.all(o[~fin] == 0)), nan=bool(np.isnan(o).any()))
+    print(f"T={T} {name} vs reference on {rows.size} rows: {err}", flush=True)
+    if base is None:
+      base = (out, lse)
+    else:
+      full = dict(out=float(jnp.max(jnp.abs(out.astype(jnp.float32) - base[0].astype(jnp.float32)))),
+                  lse=float(jnp.max(jnp.where(jnp.isfinite(base[1]), jnp.abs(lse - base[1]), 0.0))),
+                  nan=bool(jnp.isnan(out).any() | jnp.isnan(lse).any()),
+                  same_empty=bool(jnp.all(jnp.isfinite(base[1]) == jnp.isfinite(lse))))
+      print(f"T={T} {name} vs triton, all rows: {full}", flush=True)
+    del out, lse
   flops = 2 * T * H * K * (DK + DV)
-  for name, fn in (("triton", triton), ("mgpu", mgpu)):
+  for name, fn in fns.items():
     seconds = timed(fn, q, k, None, idx, reps=reps)
     print(f"T={T} {name}: {seconds * 1e3:.2f} ms = {flops / seconds / 1e12:.1f} TFLOP/s", flush=True)
 
@@ -120,8 +127,9 @@ def main():
   except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as e:
     print(f"smoke failed: {type(e).__name__}: {e}", flush=True)
     return
+  configs = {"default": config, "gathers_in_flight=1": dataclasses.replace(config, gathers_in_flight=1)}
   for T in args.seqs:
-    compare(T, config, args.reps)
+    compare(T, configs, args.reps)
 
 
 if __name__ == "__main__":

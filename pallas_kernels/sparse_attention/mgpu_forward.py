@@ -46,7 +46,9 @@ _NEG = -1e30  # a finite "minus infinity" for the running max (empty prefixes ne
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Tuning: `block_k` selected keys per step, `num_stages` gathered tiles in flight, register splits.
+  """Tuning: `block_k` selected keys per step, `num_stages` gathered tiles, register splits, and
+  `gathers_in_flight`: the producer publishes step i once step i + 1's loads are issued (2) or waits
+  for each step's loads before issuing the next (1).
 
   block_k is 64 for now: at 32, Mosaic GPU's layout inference fails on this kernel (jax 0.11.2).
   """
@@ -55,8 +57,11 @@ class Config:
   num_stages: int = 2
   consumer_registers: int = 232
   producer_registers: int = 40
+  gathers_in_flight: int = 2
 
   def __post_init__(self):
+    if self.gathers_in_flight not in (1, 2):
+      raise ValueError(f"Config.gathers_in_flight={self.gathers_in_flight} must be 1 or 2.")
     if self.block_k != 64:
       raise ValueError(f"Config.block_k={self.block_k} must be 64.")
     if self.num_stages < 2:
@@ -84,7 +89,7 @@ def _c(value, ty):
 
 @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_KEY_TRANSFORMS)))
 def _issue_gather(ctx, k_ref, idx_ref, dst_ref):
-  """cp.async rows k[idx[j]] (row 0 where idx[j] is outside [0, S)) into dst [block_k, Dk], waiting for them.
+  """cp.async rows k[idx[j]] (row 0 where idx[j] is outside [0, S)) into dst [block_k, Dk], as one commit group.
 
   `k_ref` [S, Dk] in global memory, `idx_ref` int32 [block_k], `dst_ref` the tiled, 128-byte-swizzled
   shared tile, physically [block_k / 8, Dk / 64, 8, 64]. Thread t of the warpgroup copies 16 bytes
@@ -124,11 +129,21 @@ def _issue_gather(ctx, k_ref, idx_ref, dst_ref):
       dst = mgpu_utils.getelementptr(smem, [arith.addi(dst_row, _c(u * tile_bytes, i32))], i8)
       nvvm.cp_async_shared_global(dst, src, 16, nvvm.LoadCacheModifierKind.CG)
   nvvm.cp_async_commit_group()
-  nvvm.cp_async_wait_group(0)
+
+
+def _wait_gathers(pending: int):
+  """Waits until at most `pending` of this thread's committed gathers are still in flight."""
+
+  @plgpu.inline_mgpu()
+  def wait(ctx):
+    del ctx
+    nvvm.cp_async_wait_group(pending)
+
+  wait()
 
 
 def _forward_kernel(q_gmem, k_gmem, idx_gmem, out_gmem, lse_gmem, *, scale, block_k, num_stages, dv,
-                    consumer_registers, producer_registers):
+                    consumer_registers, producer_registers, gathers_in_flight):
   # Inputs: q [B, T, H, Dk], k [B, S, Dk], indices int32 [B, T, K_pad].
   # Outputs: out [B, T, H, Dv], lse f32 [B, T, H].
   t, h, b = lax.axis_index("t"), lax.axis_index("h"), lax.axis_index("b")
@@ -167,13 +182,13 @@ def _forward_kernel(q_gmem, k_gmem, idx_gmem, out_gmem, lse_gmem, *, scale, bloc
       def step(i, carry):
         acc, m, l = carry
         slot = lax.rem(i, num_stages)
+        ids = plgpu.load(step_ids(i), layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
         plgpu.barrier_wait(k_ready.at[slot])
 
         def qk(acc_ref):
           plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
           return acc_ref[...]
         s = pl.run_scoped(qk, plgpu.ACC((_HEADS, block_k), jnp.float32))
-        ids = plgpu.load(step_ids(i), layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
         valid = (ids >= 0) & (ids < num_keys)
         s = jnp.where(lax.broadcast_in_dim(valid, s.shape, [1]), s * c, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -229,6 +244,11 @@ def _forward_kernel(q_gmem, k_gmem, idx_gmem, out_gmem, lse_gmem, *, scale, bloc
     def _gather_wg():
       plgpu.set_max_registers(producer_registers, action="decrease")
 
+      def publish(i, pending):  # step i's rows are in: hand them to the consumers
+        _wait_gathers(pending)
+        plgpu.commit_smem()  # make the generic-proxy writes visible to the MMA's async proxy
+        plgpu.barrier_arrive(k_ready.at[lax.rem(i, num_stages)])
+
       @pl.loop(0, n_steps)
       def _(i):
         slot = lax.rem(i, num_stages)
@@ -238,8 +258,13 @@ def _forward_kernel(q_gmem, k_gmem, idx_gmem, out_gmem, lse_gmem, *, scale, bloc
           plgpu.barrier_wait(k_free.at[slot])
 
         _issue_gather(k_gmem.at[b], step_ids(i), k_smem.at[slot])
-        plgpu.commit_smem()  # make the generic-proxy writes visible to the MMA's async proxy
-        plgpu.barrier_arrive(k_ready.at[slot])
+        if gathers_in_flight == 1:
+          publish(i, 0)
+        else:  # step i's loads stay in flight while step i - 1 is published
+          pl.when(i >= 1)(lambda: publish(i - 1, 1))
+
+      if gathers_in_flight > 1:
+        publish(n_steps - 1, 0)
 
   pl.run_scoped(
       body,
@@ -288,7 +313,8 @@ def sparse_attention_forward_mgpu(q, k, v, indices, *, scale, sinks=None, value_
   indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, K_pad - K)), constant_values=-1)
   kernel = functools.partial(
       _forward_kernel, scale=float(scale), block_k=config.block_k, num_stages=config.num_stages, dv=Dv,
-      consumer_registers=config.consumer_registers, producer_registers=config.producer_registers)
+      consumer_registers=config.consumer_registers, producer_registers=config.producer_registers,
+      gathers_in_flight=config.gathers_in_flight)
   return plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((B, T, H, Dv), q.dtype), jax.ShapeDtypeStruct((B, T, H), jnp.float32)),
