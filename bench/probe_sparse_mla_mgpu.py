@@ -8,7 +8,7 @@ row shorter than k), plus one empty row and one out-of-range index. Both kernels
 memory; the new one is checked against the Triton one on every row and both against the f32
 gathered jnp reference on a few hundred rows (the first 80, a random 200, the last 16). Then each is
 timed: median of `reps` synchronised calls after a warm-up. FLOPs 2 T H k (576 + 512). The Mosaic
-GPU kernel runs with its heuristic config and with `gathers_in_flight=1` (one step of loads at a time).
+GPU kernel runs with its heuristic config and with `gathers_in_flight=2` (two steps of loads in flight).
 
 A first small call runs in a subprocess with a timeout, so a deadlocked kernel ends the probe
 instead of the device session.
@@ -69,15 +69,17 @@ def smoke(T: int, config: Config):
         flush=True)
 
 
-def compare(T: int, configs: dict, reps: int):
+def compare(T: int, configs: dict, reps: int, triton: bool = True):
   """Every config checked (against the reference on `check_rows`, and against Triton on all rows), then timed."""
   q, k, idx = make_inputs(T)
   scale = DK**-0.5
   fns = {"triton": jax.jit(functools.partial(sparse_attention_forward_pallas, scale=scale, value_dim=DV))}
+  shapes = jax.eval_shape(fns["triton"], q, k, None, idx)
+  if not triton:
+    del fns["triton"]
   for name, config in configs.items():
     fns[f"mgpu {name}"] = jax.jit(functools.partial(sparse_attention_forward_mgpu, scale=scale, value_dim=DV,
                                                     config=config))
-  shapes = jax.eval_shape(fns["triton"], q, k, None, idx)
   rows = check_rows(T)
   out_r, lse_r = jax.jit(lambda q, i: sparse_attention_forward_reference(q, k, k[..., :DV], i, scale=scale))(
       q[:, rows], idx[:, rows])
@@ -98,7 +100,7 @@ def compare(T: int, configs: dict, reps: int):
                   lse=float(jnp.max(jnp.where(jnp.isfinite(base[1]), jnp.abs(lse - base[1]), 0.0))),
                   nan=bool(jnp.isnan(out).any() | jnp.isnan(lse).any()),
                   same_empty=bool(jnp.all(jnp.isfinite(base[1]) == jnp.isfinite(lse))))
-      print(f"T={T} {name} vs triton, all rows: {full}", flush=True)
+      print(f"T={T} {name} vs {next(iter(fns))}, all rows: {full}", flush=True)
     del out, lse
   flops = 2 * T * H * K * (DK + DV)
   for name, fn in fns.items():
@@ -114,6 +116,9 @@ def main():
   parser.add_argument("--block-k", type=int, default=0)
   parser.add_argument("--stages", type=int, default=0)
   parser.add_argument("--reps", type=int, default=10)
+  parser.add_argument("--no-triton", action="store_true", help="time the Mosaic GPU kernel alone")
+  parser.add_argument("--no-smoke", action="store_true")
+  parser.add_argument("--serial-only", action="store_true", help="leave out the gathers_in_flight=2 variant")
   args = parser.parse_args()
   config = Config.heuristics(DK, 2)
   if args.block_k:
@@ -123,13 +128,16 @@ def main():
     return
   cmd = [sys.executable, __file__, "--smoke", "300", "--block-k", str(config.block_k), "--stages", str(config.num_stages)]
   try:
-    subprocess.run(cmd, check=True, timeout=args.smoke_timeout, env=dict(os.environ))
+    if not args.no_smoke:
+      subprocess.run(cmd, check=True, timeout=args.smoke_timeout, env=dict(os.environ))
   except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as e:
     print(f"smoke failed: {type(e).__name__}: {e}", flush=True)
     return
-  configs = {"default": config, "gathers_in_flight=1": dataclasses.replace(config, gathers_in_flight=1)}
+  configs = {"default": config}
+  if not args.serial_only:
+    configs["gathers_in_flight=2"] = dataclasses.replace(config, gathers_in_flight=2)
   for T in args.seqs:
-    compare(T, configs, args.reps)
+    compare(T, configs, args.reps, triton=not args.no_triton)
 
 
 if __name__ == "__main__":

@@ -47,8 +47,8 @@ _NEG = -1e30  # a finite "minus infinity" for the running max (empty prefixes ne
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tuning: `block_k` selected keys per step, `num_stages` gathered tiles, register splits, and
-  `gathers_in_flight`: the producer publishes step i once step i + 1's loads are issued (2) or waits
-  for each step's loads before issuing the next (1).
+  `gathers_in_flight`: the producer waits for each step's loads before issuing the next (1), or
+  publishes step i once step i + 1's loads are issued (2).
 
   block_k is 64 for now: at 32, Mosaic GPU's layout inference fails on this kernel (jax 0.11.2).
   """
@@ -57,7 +57,7 @@ class Config:
   num_stages: int = 2
   consumer_registers: int = 232
   producer_registers: int = 40
-  gathers_in_flight: int = 2
+  gathers_in_flight: int = 1  # 2 measured slower: 12.30 against 10.70 ms at T=16K (bench/probe_sparse_mla_mgpu.py)
 
   def __post_init__(self):
     if self.gathers_in_flight not in (1, 2):
@@ -146,8 +146,10 @@ def _forward_kernel(q_gmem, k_gmem, idx_gmem, out_gmem, lse_gmem, *, scale, bloc
                     consumer_registers, producer_registers, gathers_in_flight):
   # Inputs: q [B, T, H, Dk], k [B, S, Dk], indices int32 [B, T, K_pad].
   # Outputs: out [B, T, H, Dv], lse f32 [B, T, H].
-  t, h, b = lax.axis_index("t"), lax.axis_index("h"), lax.axis_index("b")
   num_keys, dk = k_gmem.shape[1:]
+  T, n_heads = q_gmem.shape[1], q_gmem.shape[2] // _HEADS
+  cta = lax.axis_index("cta")  # one grid axis: CUDA's y and z stop at 65535, and T reaches 1M
+  h, t, b = lax.rem(cta, n_heads), lax.rem(lax.div(cta, n_heads), T), lax.div(cta, n_heads * T)
   n_steps = idx_gmem.shape[2] // block_k
   half = dv // 2
   dtype = q_gmem.dtype
@@ -318,8 +320,8 @@ def sparse_attention_forward_mgpu(q, k, v, indices, *, scale, sinks=None, value_
   return plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((B, T, H, Dv), q.dtype), jax.ShapeDtypeStruct((B, T, H), jnp.float32)),
-      grid=(T, H // _HEADS, B),
-      grid_names=("t", "h", "b"),
+      grid=(B * T * (H // _HEADS),),
+      grid_names=("cta",),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),  # row sums stay in a warp
