@@ -1,0 +1,89 @@
+"""The Mosaic GPU sparse-attention forward: it lowers for an H200 on CPU; on the GPU it matches the reference.
+
+GPU tests: `JAX_PLATFORMS=cuda pytest -m gpu_only tests/test_sparse_attention_mgpu.py`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hyscale_jax.ops.sparse_attention.reference import sparse_attention_forward_reference
+from pallas_kernels.sparse_attention.mgpu_forward import Config, sparse_attention_forward_mgpu
+
+_ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU")
+_MOSAIC = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("mosaic_gpu", "mosaic_gpu_v2")]
+
+
+class _FakeHopper:
+  """What Mosaic GPU reads from `jax.devices()[0]` on an H200."""
+  platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H200", "9.0", 132
+
+
+def _forward(config=None, value_dim=512, scale=576**-0.5):
+  return functools.partial(sparse_attention_forward_mgpu, scale=scale, value_dim=value_dim, config=config)
+
+
+@pytest.mark.parametrize("B, T, H, K, config", [(1, 5, 64, 200, None), (2, 3, 128, 96, Config(consumer_registers=240, producer_registers=24))])
+def test_lowers_for_h200(B, T, H, K, config, monkeypatch):
+  """One Mosaic GPU kernel at MLA dims (Dk 576, Dv 512), selections padded to the step, heads in blocks of 64."""
+  monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
+  args = [jax.ShapeDtypeStruct((B, T, H, 576), jnp.bfloat16), jax.ShapeDtypeStruct((B, 77, 1, 576), jnp.bfloat16),
+          jax.ShapeDtypeStruct((B, T, K), jnp.int32)]
+  fwd = _forward(config)
+  exported = jax.export.export(jax.jit(lambda q, k, i: fwd(q, k, None, i)), platforms=["cuda"],
+                               disabled_checks=_MOSAIC)(*args)
+  assert exported.mlir_module().count("custom_call @mosaic_gpu") == 1
+  assert [a.shape for a in exported.out_avals] == [(B, T, H, 512), (B, T, H)]
+  assert exported.out_avals[1].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("change", ["sinks", "values", "heads", "groups", "f32"])
+def test_declines_what_v1_lacks(change):
+  """NotImplementedError (the caller's cue to fall back), before anything is traced for the GPU."""
+  H, G, dtype = (48 if change == "heads" else 64), (2 if change == "groups" else 1), jnp.bfloat16
+  dtype = jnp.float32 if change == "f32" else dtype
+  q = jnp.zeros((1, 2, H, 576), dtype)
+  k = jnp.zeros((1, 8, G, 576), dtype)
+  v = jnp.zeros((1, 8, G, 512), dtype) if change == "values" else None
+  sinks = jnp.zeros((H,), jnp.float32) if change == "sinks" else None
+  with pytest.raises(NotImplementedError):
+    sparse_attention_forward_mgpu(q, k, v, jnp.zeros((1, 2, 64), jnp.int32), scale=0.1, sinks=sinks, value_dim=512)
+
+
+def test_config_heuristics_fit_shared_memory():
+  assert Config.heuristics(576, 2) == Config(block_k=64, num_stages=2)
+  with pytest.raises(ValueError):
+    Config(block_k=32)
+
+
+# ---- GPU only: against the reference ----
+
+def _causal_inputs(B, T, S, H, K, seed=0):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((B, T, H, 576)).astype(np.float32)
+  k = rng.standard_normal((B, S, 1, 576)).astype(np.float32)
+  t = np.arange(T)[:, None] + (S - T)
+  idx = rng.integers(0, S, (B, T, K)) % (t + 1)
+  idx = np.where(np.arange(K)[None] > t, -1, idx).astype(np.int32)  # rows shorter than K
+  idx[0, 1] = -1  # an empty row
+  idx[-1, -1, 3] = S + 2  # out of range: skipped
+  idx[-1, -1, 4:9] = idx[-1, -1, 9]  # duplicates count once per occurrence
+  return jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(idx)
+
+
+@pytest.mark.gpu_only
+@_ON_GPU
+@pytest.mark.parametrize("B, T, S, H, K, config", [(1, 130, 130, 64, 2048, None), (2, 70, 300, 128, 200, None)])
+def test_matches_reference(B, T, S, H, K, config):
+  q, k, idx = _causal_inputs(B, T, S, H, K)
+  out, lse = jax.jit(_forward(config))(q, k, None, idx)
+  out_r, lse_r = sparse_attention_forward_reference(q, k, k[..., :512], idx, scale=576**-0.5)
+  finite = np.isfinite(np.asarray(lse_r))
+  assert not np.isnan(np.asarray(out, np.float32)).any()
+  np.testing.assert_array_equal(np.asarray(lse)[~finite], -np.inf)
+  np.testing.assert_array_equal(np.asarray(out, np.float32)[~finite], 0.0)
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_r)[finite], atol=2e-2)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_r, np.float32), atol=3e-2)
