@@ -34,8 +34,11 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import arith, memref
+# jax.extend.mlir has no llvm or nvvm dialect (cp.async and the address-space cast need them); these
+# are jaxlib's own MLIR bindings, the same modules jax uses, not jax._src.
+from jaxlib.mlir.dialects import llvm, nvvm
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
