@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from hyscale_jax.ops.sparse_attention.reference import sparse_attention_forward_reference
+from pallas_kernels.sparse_attention import sparse_attention as triton_forward
 from pallas_kernels.sparse_attention.mgpu_forward import Config, sparse_attention_forward_mgpu
 
 _ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU")
@@ -87,3 +88,38 @@ def test_matches_reference(B, T, S, H, K, config):
   np.testing.assert_array_equal(np.asarray(out, np.float32)[~finite], 0.0)
   np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_r)[finite], atol=2e-2)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_r, np.float32), atol=3e-2)
+
+
+def _lowered_kernels(config, sinks, monkeypatch):
+  """The custom calls of the `pallas` forward compiled for a (faked) H200 at MLA dims."""
+  monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
+  monkeypatch.setattr(triton_forward, "require_hopper", lambda what: None)
+  args = [jax.ShapeDtypeStruct((1, 3, 64, 576), jnp.bfloat16), jax.ShapeDtypeStruct((1, 40, 1, 576), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, 3, 64), jnp.int32)]
+  fwd = functools.partial(triton_forward.sparse_attention_forward_pallas, scale=0.04, value_dim=512, config=config,
+                          sinks=sinks, interpret=False)
+  checks = _MOSAIC + [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")  # what Triton's lowering reads
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200, axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.export.export(jax.jit(lambda q, k, i: fwd(q, k, None, i)), platforms=["cuda"],
+                             disabled_checks=checks)(*args).mlir_module()
+  return {name for name in ("mosaic_gpu", "__gpu$xla.gpu.triton") if f"custom_call @{name}" in text}
+
+
+@pytest.mark.parametrize("forward, sinks, expected", [
+    ("auto", False, {"mosaic_gpu"}),
+    ("mosaic", False, {"mosaic_gpu"}),
+    ("triton", False, {"__gpu$xla.gpu.triton"}),
+    ("auto", True, {"__gpu$xla.gpu.triton"}),  # sinks: v1 declines, the Triton kernel runs
+])
+def test_pallas_forward_picks_the_mosaic_kernel_where_it_applies(forward, sinks, expected, monkeypatch):
+  config = triton_forward.Config(forward=forward)
+  assert _lowered_kernels(config, jnp.zeros((64,), jnp.float32) if sinks else None, monkeypatch) == expected
+
+
+def test_pallas_forward_mosaic_request_raises_where_it_does_not_apply(monkeypatch):
+  with pytest.raises(NotImplementedError, match="sinks"):
+    _lowered_kernels(triton_forward.Config(forward="mosaic"), jnp.zeros((64,), jnp.float32), monkeypatch)
+  with pytest.raises(ValueError, match="Config.forward"):
+    triton_forward.Config(forward="cuda")

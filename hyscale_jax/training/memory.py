@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from hyscale_jax.layers.lm_head import chunk_layout
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.sharding import BATCH_AXES
+from pallas_kernels._hopper import on_hopper
 
 # One layer's intermediates alive at once in its backward pass (1 = the forward's set), by remat policy.
 # Under "full" the backward reruns the whole layer (selection included) and holds those intermediates
@@ -245,9 +246,7 @@ def _deterministic_slabs(cfg: ModelConfig, rows: float, key_width: int) -> float
 
 def grouped_matmul_kernel_applies(cfg: ModelConfig) -> bool:
   """Whether `ops.grouped_matmul` runs its Hopper kernel here ("auto" on an sm_90 GPU, bf16/f16), not ragged_dot."""
-  if jax.default_backend() != "gpu" or jnp.dtype(cfg.dtype).itemsize != 2:
-    return False
-  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+  return jnp.dtype(cfg.dtype).itemsize == 2 and on_hopper()
 
 
 def moe_expert_bytes(cfg: ModelConfig, layer: int, rows: float, *, grouped_kernel: bool) -> float:

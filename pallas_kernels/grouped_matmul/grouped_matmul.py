@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._hopper import require_hopper
 from pallas_kernels.grouped_matmul import autotune
 
 _DTYPES = (jnp.bfloat16, jnp.float16)
@@ -33,12 +34,7 @@ _SWIZZLE_TILE = 64  # elements of a 128-byte swizzled row (2-byte dtypes): Mosai
 def check_supported(lhs, rhs, group_sizes, *, transpose_rhs=False) -> None:
   """Raises NotImplementedError unless this is a Hopper GPU (sm_90) and the inputs are bf16 or f16."""
   del group_sizes, transpose_rhs
-  if jax.default_backend() != "gpu":
-    raise NotImplementedError(f"grouped_matmul pallas: needs a GPU, the default backend is {jax.default_backend()!r}.")
-  capability = str(getattr(jax.devices()[0], "compute_capability", ""))
-  if not capability.startswith("9."):
-    raise NotImplementedError(f"grouped_matmul pallas: the Mosaic GPU kernels need Hopper (sm_90), got "
-                              f"compute capability {capability!r} ({jax.devices()[0].device_kind}).")
+  require_hopper("grouped_matmul pallas")
   for name, x in (("lhs", lhs), ("rhs", rhs)):
     if x.dtype not in _DTYPES:
       raise NotImplementedError(f"grouped_matmul pallas: {name}.dtype={x.dtype} is not bf16/f16.")

@@ -45,8 +45,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._hopper import require_hopper
 from pallas_kernels._relaxed_atomics import scatter_add_rows
-from pallas_kernels.sparse_attention import key_major
+from pallas_kernels.sparse_attention import key_major, mgpu_forward
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _NEG = -1e30  # a finite "minus infinity" for the running max, so empty prefixes never give inf - inf
@@ -58,6 +59,11 @@ class Config:
 
   The deterministic backward adds two: `key_block`, keys per program of its key-major pass, and
   `chunk_bytes`, the budget of its f32 contribution slabs (queries run in chunks that fit it).
+
+  `forward` picks the forward kernel: "auto" runs the Mosaic GPU kernel (`mgpu_forward.py`) on a
+  Hopper GPU where it applies (one key head, values from the key rows, no sinks, 64-head blocks;
+  2.7x this file's kernel at MLA dims, 16K) and this file's Triton kernel elsewhere; "triton" always
+  runs this file's; "mosaic" raises NotImplementedError where the Mosaic GPU kernel does not apply.
   """
 
   block_h: int = 64
@@ -66,6 +72,7 @@ class Config:
   num_stages: int = 2
   key_block: int = 16
   chunk_bytes: int = 1 << 30
+  forward: str = "auto"
 
   @classmethod
   def heuristics(cls, Dk: int, Dv: int, itemsize: int) -> "Config":
@@ -95,6 +102,8 @@ class Config:
         raise ValueError(f"Config.{name}={value} must be a power of two.")
     if self.chunk_bytes < 1:
       raise ValueError(f"Config.chunk_bytes={self.chunk_bytes} must be positive.")
+    if self.forward not in ("auto", "triton", "mosaic"):
+      raise ValueError(f"Config.forward={self.forward!r} must be 'auto', 'triton' or 'mosaic'.")
 
 
 def _power_of_two_parts(n: int) -> tuple[int, ...]:
@@ -316,8 +325,17 @@ def sparse_attention_forward_pallas(q, k, v, indices, *, scale, sinks=None, valu
     NotImplementedError: Dv is not a power of two, or (compiled for the GPU) a matmul dim would be
       under 16; "auto" then uses the reference backend.
   """
+  config, interpret = _resolve(config, None, interpret)
+  if not interpret and (config is None or config.forward != "triton"):
+    try:
+      require_hopper("sparse_attention's Mosaic GPU forward")
+      return mgpu_forward.sparse_attention_forward_mgpu(q, k, v, indices, scale=scale, sinks=sinks,
+                                                        value_dim=value_dim)
+    except NotImplementedError:
+      if config is not None and config.forward == "mosaic":
+        raise
   v, Dv = _values(k, v, value_dim)
-  config, interpret = _resolve(config, Config.heuristics(q.shape[-1], Dv, jnp.dtype(k.dtype).itemsize), interpret)
+  config = config or Config.heuristics(q.shape[-1], Dv, jnp.dtype(k.dtype).itemsize)
   lay = _Layout.make(q, k, Dv, indices, config, interpret)
   value_specs, value_operands = ([], []) if v is None else ([lay.group_keys(Dv)], [lay.pad_keys(v)])
   in_specs = ([lay.head_rows(d) for d in lay.parts] + [lay.group_keys(d) for d in lay.parts]
