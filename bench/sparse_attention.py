@@ -134,6 +134,11 @@ def variants(shape: Shape, scale, fwd_config=None, bwd_config=None, det_chunk_mi
     return sparse_attention_forward_pallas(q, k, None if fused else v, idx, scale=scale, sinks=sinks,
                                            value_dim=value_dim, config=fwd_config)
 
+  def fwd_triton(q, k, v, idx, sinks, dout):
+    config = fwd_config or Config.heuristics(shape.Dk, shape.Dv, q.dtype.itemsize)
+    return sparse_attention_forward_pallas(q, k, None if fused else v, idx, scale=scale, sinks=sinks,
+                                           value_dim=value_dim, config=dataclasses.replace(config, forward="triton"))
+
   def fwd_r(q, k, v, idx, sinks, dout):
     return sparse_attention_forward_reference(q, k, v, idx, scale=scale, sinks=sinks)
 
@@ -163,7 +168,7 @@ def variants(shape: Shape, scale, fwd_config=None, bwd_config=None, det_chunk_mi
     return run
 
   return dict(
-      pallas_fwd=fwd_p, reference_fwd=fwd_r, pallas_bwd=bwd_p, reference_bwd=bwd_r,
+      pallas_fwd=fwd_p, pallas_triton_fwd=fwd_triton, reference_fwd=fwd_r, pallas_bwd=bwd_p, reference_bwd=bwd_r,
       pallas_det_bwd=functools.partial(bwd_p, deterministic=True),
       pallas_fwd_bwd=fwd_bwd("pallas"), reference_fwd_bwd=fwd_bwd("reference"),
   )
@@ -269,6 +274,12 @@ def run_row(row_key, shape: Shape, T, compiled, reps, skip_reference):
     row[f"{backend}_bwd_tflops"] = bwd_flops / row[f"{backend}_bwd_ms"] / 1e9
     row[f"{backend}_fwd_bwd_tflops"] = (fwd_flops + bwd_flops) / row[f"{backend}_fwd_bwd_ms"] / 1e9
     row[f"{backend}_fwd_bwd_temp_gb"] = compiled[row_key, f"{backend}_fwd_bwd"].memory_analysis().temp_size_in_bytes / 1e9
+    if backend == "pallas":  # the Triton forward beside the backend's pick (the Mosaic GPU kernel on Hopper)
+      poison(out_r, lse_r)
+      out_t, lse_t = get("pallas_triton_fwd")(*args)
+      row["errors"]["triton_out"], row["errors"]["triton_lse"] = rel_err(out_t, out_r), float(jnp.max(jnp.abs(lse_t - lse_r)))
+      row["pallas_triton_fwd_ms"] = timed(get("pallas_triton_fwd"), *args, reps=r) * 1e3
+      row["pallas_triton_fwd_tflops"] = fwd_flops / row["pallas_triton_fwd_ms"] / 1e9
     stamp(f"{name} T={T}: {backend} attention timed")
     teacher_in = teacher_inputs(x, lse_r)
     row[f"teacher_1k_rows_{backend}"] = get(f"{backend}_teacher")(*teacher_in)
@@ -378,7 +389,7 @@ def run_tune(name, T, reps):
 def print_row(row):
   ref = lambda key: row.get(f"reference_{key}", float("nan"))
   print(f"{row['shape']:6s} T={row['T']:6d} | fwd pallas {row['pallas_fwd_ms']:8.2f} ms {row['pallas_fwd_tflops']:6.1f}"
-        f" TF/s ref {ref('fwd_tflops'):5.1f} | bwd pallas {row['pallas_bwd_ms']:8.2f} ms"
+        f" TF/s (triton {row['pallas_triton_fwd_ms']:.2f} ms {row['pallas_triton_fwd_tflops']:.1f}) ref {ref('fwd_tflops'):5.1f} | bwd pallas {row['pallas_bwd_ms']:8.2f} ms"
         f" {row['pallas_bwd_tflops']:6.1f} TF/s ref {ref('bwd_tflops'):5.1f}"
         f" | fwd+bwd {row['pallas_fwd_bwd_ms']:8.2f} ms vs ref {ref('fwd_bwd_ms'):8.2f} ms"
         f" | temp GB pallas {row['pallas_fwd_bwd_temp_gb']:.2f} ref {ref('fwd_bwd_temp_gb'):.2f}"
