@@ -4,6 +4,7 @@ Run on the H200 (one call per mode; every figure in a table comes from the same 
 
   python bench/flash_topk.py check                 # GPU correctness: bit-exact on integer inputs
   python bench/flash_topk.py tune --seq 16384      # main-pass configs at one shape
+  python bench/flash_topk.py tune --only ceiling ceiling_fp8   # the main pass alone, bf16 against fp8
   python bench/flash_topk.py select --seq 16384    # the finish's selection kernel: rows per program x warps
   python bench/flash_topk.py table --shapes dsa16k dsa64k glm64k --out flash_topk.json
   python bench/flash_topk.py table --shapes dsa16k --only pallas pallas_fp8 xla_baseline   # bf16 vs fp8
@@ -175,14 +176,17 @@ def pallas_fn(topk, compress_ratio, config):
   return fn
 
 
-def run_tune(T, configs):
+def run_tune(T, configs, names=("ceiling", "pallas")):
+  """Each config's time for the variants in `names`: ceiling, pallas, and their `_fp8` twins."""
   q, k, w = inputs(T, 64, 128, 1, True)
+  args = {"": (q, k, w), "_fp8": jax.jit(fp8_inputs)(q, k, w)}
   flops = 2 * 64 * 128 * visible_pairs(T, 1)
   rows = []
   for config in configs:
-    for name, make in (("ceiling", ceiling_fn), ("pallas", pallas_fn)):
+    for name in names:
+      make = ceiling_fn if name.startswith("ceiling") else pallas_fn
       try:
-        s = timed(jax.jit(make(2048, 1, config)), q, k, w, reps=3)
+        s = timed(jax.jit(make(2048, 1, config)), *args["_fp8" if name.endswith("_fp8") else ""], reps=3)
         row = dict(variant=name, T=T, config=str(config), ms=s * 1e3, tflops=flops / s / 1e12)
       except Exception as e:  # a config Triton cannot compile: report it and go on
         row = dict(variant=name, T=T, config=str(config), error=f"{type(e).__name__}: {str(e)[:200]}")
@@ -371,8 +375,9 @@ def main():
   elif args.mode == "tune":
     configs = [Config(block_rows=r, block_k=bk, num_warps=nw, num_stages=ns)
                for r, bk, nw, ns in [(64, 64, 4, 2), (64, 128, 4, 2), (64, 64, 2, 2), (64, 64, 8, 2),
-                                     (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 4, 2)]]
-    rows = run_tune(args.seq, configs)
+                                     (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 4, 2),
+                                     (64, 256, 4, 2), (64, 128, 8, 3), (128, 128, 8, 2)]]
+    rows = run_tune(args.seq, configs, tuple(args.only or ("ceiling", "pallas")))
   else:
     every = {"pallas", "pallas_fp8", "pallas_top_k_finish", "ceiling", "ceiling_fp8", "xla_baseline",
              "xla_baseline_fp8", "reference"}
