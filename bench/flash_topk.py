@@ -4,14 +4,23 @@ Run on the H200 (one call per mode; every figure in a table comes from the same 
 
   python bench/flash_topk.py check                 # GPU correctness: bit-exact on integer inputs
   python bench/flash_topk.py tune --seq 16384      # main-pass configs at one shape
+  python bench/flash_topk.py tune --only ceiling ceiling_fp8   # the main pass alone, bf16 against fp8
   python bench/flash_topk.py select --seq 16384    # the finish's selection kernel: rows per program x warps
   python bench/flash_topk.py table --shapes dsa16k dsa64k glm64k --out flash_topk.json
+  python bench/flash_topk.py table --shapes dsa16k --only pallas pallas_fp8 xla_baseline   # bf16 vs fp8
   python bench/flash_topk.py table --smoke --out /tmp/smoke.json   # tiny shapes on CPU (interpret), seconds
 
 FLOPs are causal-effective: 2·H·D per visible (query, key) pair. "ceiling" is the same main pass with
 the threshold at +inf, so it scores and masks every visible pair and selects nothing: the cost of
 the matmul and its epilogue. Memory is XLA's compiled temp allocation: working memory beyond the
 inputs and outputs.
+
+The `_fp8` variants take the same q and k quantized per row to float8_e4m3fn with power-of-two
+scales (`quantize_fp8(..., power_of_two=True)`, DeepSeek-V3.2's ue8m0), q's scales folded into the
+head weights as DeepSeek does, outside the timed call: `pallas_fp8` (fp8 tensor cores in the main
+pass), `ceiling_fp8`, and `xla_baseline_fp8` (the same fp8 score function in XLA, for agreement).
+`fp8_overlap_with_bf16` is the mean fraction of a row's selected keys that the bf16 selection shares
+(quantization moves the boundary: about 98% is what others report).
 """
 
 import argparse
@@ -28,6 +37,8 @@ sys.path.insert(0, ".")
 sys.path.insert(0, "bench")
 from hyscale_jax import ops  # noqa: E402
 from hyscale_jax.ops.flash_topk import pallas as topk_pallas  # noqa: E402
+from hyscale_jax.ops.flash_topk import quantize_fp8  # noqa: E402
+from hyscale_jax.ops.flash_topk.reference import fold_q_scale, key_factor  # noqa: E402
 from hyscale_jax.ops.flash_topk.pallas import flash_topk_pallas_with_stats  # noqa: E402
 from pallas_kernels.flash_topk import Config, flash_topk_candidates, select_candidates  # noqa: E402
 from timing import timed  # noqa: E402
@@ -58,14 +69,33 @@ def inputs(T, H, D, compress_ratio, use_weights, dtype=jnp.bfloat16, seed=0):
   return q, k, w
 
 
+def fp8_inputs(q, k, w):
+  """(q8, k8, weights with q's scales folded in, k_scale): the fp8 path's operands for q, k, w."""
+  q8, q_scale = quantize_fp8(q, power_of_two=True)
+  k8, k_scale = quantize_fp8(k, power_of_two=True)
+  return q8, k8, fold_q_scale(w, q_scale), k_scale
+
+
+def set_overlap(a, b):
+  """Mean over rows of |a & b| / |a| for index rows i32[..., k] (distinct entries, -1 = empty)."""
+  both = jnp.sort(jnp.concatenate([a, b], axis=-1), axis=-1)
+  shared = jnp.sum((both[..., 1:] == both[..., :-1]) & (both[..., 1:] >= 0), axis=-1)
+  return float(jnp.mean(shared / jnp.maximum(jnp.sum(a >= 0, axis=-1), 1)))
+
+
 def temp_bytes(fn, *args):
   return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
 
-def run_check():
-  """Pallas vs reference vs xla_baseline on the GPU: integer inputs bit-exact; real inputs compared."""
+def run_check(kinds=("bf16", "fp8")):
+  """Pallas vs reference vs xla_baseline on the GPU: integer inputs bit-exact; real inputs compared.
+
+  `kinds` picks the bf16 checks, the fp8 ones (`check_fp8`), or both.
+  """
+  rows = check_fp8() if "fp8" in kinds else []
+  if "bf16" not in kinds:
+    return rows
   rng = np.random.default_rng(0)
-  rows = []
   for T, H, topk, cr, use_w, lo, hi in [(4096, 64, 256, 1, True, -2, 2), (4096, 4, 64, 4, False, -1, 1),
                                         (8192, 32, 2048, 1, True, 0, 1)]:
     q = jnp.asarray(rng.integers(lo, hi + 1, (2, T, H, 128)), jnp.bfloat16)
@@ -93,29 +123,70 @@ def run_check():
   return rows
 
 
+def check_fp8():
+  """The fp8 path on the GPU. Integer-valued e4m3 q and k with power-of-two scales (every sum exact in
+  f32): pallas equals the reference and the xla_baseline bit for bit. Random inputs at DeepSeek's
+  shape: pallas against the xla_baseline on the same fp8 score function."""
+  rng = np.random.default_rng(1)
+  rows = []
+  for T, H, topk, cr in [(4096, 64, 256, 1), (8192, 32, 2048, 1), (4096, 4, 64, 4)]:
+    q = jnp.asarray(rng.integers(-3, 4, (2, T, H, 128)), jnp.float8_e4m3fn)
+    k = jnp.asarray(rng.integers(-3, 4, (2, T // cr, 128)), jnp.float8_e4m3fn)
+    w = jnp.asarray(rng.integers(-2, 3, (2, T, H)), jnp.float32)
+    q_scale = jnp.asarray(2.0 ** rng.integers(-4, 2, (2, T, H)), jnp.float32)
+    k_scale = jnp.asarray(2.0 ** rng.integers(-4, 2, (2, T // cr)), jnp.float32)
+    kw = dict(topk=topk, compress_ratio=cr, scale=0.5)
+    got_i, got_s, stats = jax.jit(functools.partial(flash_topk_pallas_with_stats, **kw))(
+        q, k, fold_q_scale(w, q_scale), k_scale=k_scale)
+    ref = ops.flash_topk(q, k, w, q_scale=q_scale, k_scale=k_scale, backend="reference", **kw)
+    base = ops.flash_topk(q, k, w, q_scale=q_scale, k_scale=k_scale, backend="xla_baseline", **kw)
+    row = dict(check="integer_fp8", T=T, H=H, topk=topk, compress_ratio=cr,
+               equal_reference=bool(jnp.array_equal(got_i, ref.indices) & jnp.array_equal(got_s, ref.scores)),
+               equal_baseline=bool(jnp.array_equal(got_i, base.indices) & jnp.array_equal(got_s, base.scores)),
+               rescued=int(stats["rescued"]), candidates_per_row=float(stats["candidates_per_row"]))
+    print(row, flush=True)
+    rows.append(row)
+  q8, k8, w8, k_scale = fp8_inputs(*inputs(16384, 64, 128, 1, True))
+  got = jax.jit(pallas_fn(2048, 1, Config()))(q8, k8, w8, k_scale)
+  base = ops.flash_topk(q8, k8, w8, k_scale=k_scale, topk=2048, scale=128**-0.5, backend="xla_baseline")
+  row = dict(check="random_fp8", T=16384, rows_identical=float(jnp.mean(jnp.all(got[0] == base.indices, axis=-1))),
+             set_overlap=set_overlap(got[0], base.indices), rescued=int(got[2]["rescued"]),
+             candidates_per_row=float(got[2]["candidates_per_row"]))
+  print(row, flush=True)
+  rows.append(row)
+  return rows
+
+
 def ceiling_fn(topk, compress_ratio, config):
-  def fn(q, k, w):
+  def fn(q, k, w, k_scale=None):
     t = jnp.full(q.shape[:2], jnp.inf, jnp.float32)
     c = flash_topk_candidates(q, k, w, t, q_offset=0, segment_ids=None, topk=topk,
                               compress_ratio=compress_ratio, scale=128**-0.5, slots=1024, config=config,
-                              interpret=jax.default_backend() != "gpu")
+                              interpret=jax.default_backend() != "gpu",
+                              key_scale=None if k_scale is None else key_factor(k_scale, 128**-0.5))
     return c.n_above, c.n_visible
   return fn
 
 
 def pallas_fn(topk, compress_ratio, config):
-  return functools.partial(flash_topk_pallas_with_stats, topk=topk, compress_ratio=compress_ratio,
-                           scale=128**-0.5, config=config)
+  """(q, k, w[, k_scale]) -> (indices, scores, stats); k_scale for fp8 q and k."""
+  def fn(q, k, w, k_scale=None):
+    return flash_topk_pallas_with_stats(q, k, w, k_scale=k_scale, topk=topk, compress_ratio=compress_ratio,
+                                        scale=128**-0.5, config=config)
+  return fn
 
 
-def run_tune(T, configs):
+def run_tune(T, configs, names=("ceiling", "pallas")):
+  """Each config's time for the variants in `names`: ceiling, pallas, and their `_fp8` twins."""
   q, k, w = inputs(T, 64, 128, 1, True)
+  args = {"": (q, k, w), "_fp8": jax.jit(fp8_inputs)(q, k, w)}
   flops = 2 * 64 * 128 * visible_pairs(T, 1)
   rows = []
   for config in configs:
-    for name, make in (("ceiling", ceiling_fn), ("pallas", pallas_fn)):
+    for name in names:
+      make = ceiling_fn if name.startswith("ceiling") else pallas_fn
       try:
-        s = timed(jax.jit(make(2048, 1, config)), q, k, w, reps=3)
+        s = timed(jax.jit(make(2048, 1, config)), *args["_fp8" if name.endswith("_fp8") else ""], reps=3)
         row = dict(variant=name, T=T, config=str(config), ms=s * 1e3, tflops=flops / s / 1e12)
       except Exception as e:  # a config Triton cannot compile: report it and go on
         row = dict(variant=name, T=T, config=str(config), error=f"{type(e).__name__}: {str(e)[:200]}")
@@ -220,40 +291,49 @@ def run_table(shapes, config, reps, skip):
   for shape in shapes:
     T, H, D, topk, cr, use_w = SHAPES[shape]
     q, k, w = inputs(T, H, D, cr, use_w)
+    q8, k8, w8, k_scale = jax.block_until_ready(jax.jit(fp8_inputs)(q, k, w))
     flops = 2 * H * D * visible_pairs(T, cr)
-    variants = {
-        "pallas": jax.jit(pallas_fn(topk, cr, config)),
+    baseline = lambda q, k, w, k_scale=None: tuple(ops.flash_topk(
+        q, k, w, topk=topk, compress_ratio=cr, scale=D**-0.5, k_scale=k_scale, backend="xla_baseline"))
+    variants = {  # name -> (function, its arguments)
+        "pallas": (jax.jit(pallas_fn(topk, cr, config)), (q, k, w)),
+        "pallas_fp8": (jax.jit(pallas_fn(topk, cr, config)), (q8, k8, w8, k_scale)),
         # The same backend with the previous finish (lax.top_k over the whole candidate buffer).
-        "pallas_top_k_finish": jax.jit(pallas_fn(topk, cr, dataclasses.replace(config, finish="top_k"))),
-        "ceiling": jax.jit(ceiling_fn(topk, cr, config)),
-        "xla_baseline": jax.jit(lambda q, k, w: tuple(ops.flash_topk(
-            q, k, w, topk=topk, compress_ratio=cr, scale=D**-0.5, backend="xla_baseline"))),
-        "reference": jax.jit(lambda q, k, w: tuple(ops.flash_topk(
-            q, k, w, topk=topk, compress_ratio=cr, scale=D**-0.5, backend="reference"))),
+        "pallas_top_k_finish": (jax.jit(pallas_fn(topk, cr, dataclasses.replace(config, finish="top_k"))),
+                                (q, k, w)),
+        "ceiling": (jax.jit(ceiling_fn(topk, cr, config)), (q, k, w)),
+        "ceiling_fp8": (jax.jit(ceiling_fn(topk, cr, config)), (q8, k8, w8, k_scale)),
+        "xla_baseline": (jax.jit(baseline), (q, k, w)),
+        "xla_baseline_fp8": (jax.jit(baseline), (q8, k8, w8, k_scale)),
+        "reference": (jax.jit(lambda q, k, w: tuple(ops.flash_topk(
+            q, k, w, topk=topk, compress_ratio=cr, scale=D**-0.5, backend="reference"))), (q, k, w)),
     }
     results, selected = {}, {}
-    for name, fn in variants.items():
+    for name, (fn, args) in variants.items():
       if name in skip.get(shape, ()):
         continue
-      out = jax.block_until_ready(fn(q, k, w))  # the warm-up; its stats are reported
-      seconds = timed(fn, q, k, w, reps=reps, warmup=False)
+      out = jax.block_until_ready(fn(*args))  # the warm-up; its stats are reported
+      seconds = timed(fn, *args, reps=reps, warmup=False)
       row = dict(shape=shape, T=T, H=H, topk=topk, compress_ratio=cr, variant=name, ms=seconds * 1e3,
-                 tflops=flops / seconds / 1e12, temp_gb=temp_bytes(fn, q, k, w) / 1e9)
+                 tflops=flops / seconds / 1e12, temp_gb=temp_bytes(fn, *args) / 1e9)
       if name.startswith("pallas"):
         stats = out[2]
         row.update(rescued=int(stats["rescued"]), candidates_per_row=float(stats["candidates_per_row"]))
-      if name in ("pallas", "xla_baseline"):
+      if name in ("pallas", "xla_baseline", "pallas_fp8", "xla_baseline_fp8"):
         selected[name] = jnp.sort(out[0], axis=-1)
       if name == "pallas_top_k_finish" and "pallas" in results:  # the two finishes: bit-identical outputs
-        ref = jax.block_until_ready(variants["pallas"](q, k, w))
+        ref = jax.block_until_ready(variants["pallas"][0](q, k, w))
         row["identical_to_pallas"] = bool(jnp.array_equal(out[0], ref[0]) & jnp.array_equal(out[1], ref[1]))
         del ref
       del out
       results[name] = row
       print(row, flush=True)
-    if len(selected) == 2:  # f32 rounding may move keys tied within an ulp of the k-th score
-      results["pallas"]["agreement_with_xla_baseline"] = float(
-          jnp.mean(selected["pallas"] == selected["xla_baseline"]))
+    # f32 rounding may move keys tied within an ulp of the k-th score
+    for ours, base in (("pallas", "xla_baseline"), ("pallas_fp8", "xla_baseline_fp8")):
+      if ours in selected and base in selected:
+        results[ours]["agreement_with_xla_baseline"] = float(jnp.mean(selected[ours] == selected[base]))
+    if "pallas_fp8" in selected and "pallas" in selected:
+      results["pallas_fp8"]["fp8_overlap_with_bf16"] = set_overlap(selected["pallas_fp8"], selected["pallas"])
     selected.clear()
     for row in results.values():
       if "xla_baseline" in results:
@@ -284,8 +364,8 @@ def main():
   if args.smoke:
     args.mode, args.shapes, args.reps = "table", ["smoke"], 1
   print(jax.devices(), flush=True)
-  if args.mode == "check":
-    rows = run_check()
+  if args.mode == "check":  # --only bf16 / fp8: one kind of check
+    rows = run_check(tuple(args.only or ("bf16", "fp8")))
   elif args.mode == "memory":
     rows = run_memory(args.shapes, Config(**args.config))
   elif args.mode == "breakdown":
@@ -295,13 +375,15 @@ def main():
   elif args.mode == "tune":
     configs = [Config(block_rows=r, block_k=bk, num_warps=nw, num_stages=ns)
                for r, bk, nw, ns in [(64, 64, 4, 2), (64, 128, 4, 2), (64, 64, 2, 2), (64, 64, 8, 2),
-                                     (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 4, 2)]]
-    rows = run_tune(args.seq, configs)
+                                     (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 4, 2),
+                                     (64, 256, 4, 2), (64, 128, 8, 3), (128, 128, 8, 2)]]
+    rows = run_tune(args.seq, configs, tuple(args.only or ("ceiling", "pallas")))
   else:
-    every = {"pallas", "pallas_top_k_finish", "ceiling", "xla_baseline", "reference"}
+    every = {"pallas", "pallas_fp8", "pallas_top_k_finish", "ceiling", "ceiling_fp8", "xla_baseline",
+             "xla_baseline_fp8", "reference"}
     skip = {s: every - set(args.only) for s in args.shapes} if args.only else {}
     if args.smoke:  # CI's bench smoke: the old finish's equality is tests/test_flash_topk_pallas.py's
-      skip = {"smoke": {"pallas_top_k_finish"}}
+      skip = {"smoke": {"pallas_top_k_finish", "ceiling_fp8", "xla_baseline_fp8"}}
     rows = run_table(args.shapes, Config(**args.config), args.reps, skip)
   if args.out:
     with open(args.out, "w") as f:

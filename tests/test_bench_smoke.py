@@ -22,7 +22,8 @@ _SCRIPTS = {
     "ops_baseline": (["bench/ops_baseline.py", "--smoke"],
                      lambda data: data["agree"] and all(_positive(r["seconds"]) for r in data["rows"])),
     "flash_topk": (["bench/flash_topk.py", "--smoke"],
-                   lambda data: all(_positive(r["ms"]) for r in data) and data[0]["rescued"] == 0),
+                   lambda data: all(_positive(r["ms"]) for r in data) and data[0]["rescued"] == 0
+                   and [r["fp8_overlap_with_bf16"] > 0.9 for r in data if r["variant"] == "pallas_fp8"] == [True]),
     "sparse_attention": (["bench/sparse_attention.py", "table", "--smoke"],
                          lambda data: all(_positive(r.get("pallas_fwd_ms", 1.0)) for r in data["rows"])
                          and data["rows"][0]["det_bitwise_equal"] and _positive(data["rows"][0]["pallas_det_bwd_ms"])),

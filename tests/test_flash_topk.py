@@ -23,10 +23,12 @@ try:
   from tests.jaxpr_tools import largest_intermediate
   from tests.oracles import index_scores as oracle_scores
   from tests.oracles import topk_oracle, visibility
+  from tests.topk_checks import assert_topk_near_exact, packed_segments
 except ImportError:  # tests/ itself is on sys.path (pytest rootdir-less import mode)
   from jaxpr_tools import largest_intermediate
   from oracles import index_scores as oracle_scores
   from oracles import topk_oracle, visibility
+  from topk_checks import assert_topk_near_exact, packed_segments
 
 # Small and odd (query_block, key_chunk) pairs: multi-chunk merging, chunk skipping and padding.
 _SMALL_BLOCKS = ((8, 16), (5, 7))
@@ -80,12 +82,6 @@ def _all_backends(q, k, w, **kw):
 
 def _ints(rng, shape, lo, hi, dtype):
   return jnp.asarray(rng.integers(lo, hi + 1, size=shape).astype(np.float32), dtype)
-
-
-def _segments(rng, B, T, n_seg):
-  """Sorted packed-document ids, int32 [B, T]."""
-  cuts = np.sort(rng.integers(1, T, size=(B, n_seg - 1)), axis=1)
-  return np.stack([np.searchsorted(c, np.arange(T), side="right") for c in cuts]).astype(np.int32)
 
 
 # name -> (B, Tq, Tk, H, D, topk, dtype, q_range, k_range, weights, extra kwargs)
@@ -148,7 +144,7 @@ def test_integer_inputs_packed_segments(fully_masked):
   q = _ints(rng, (B, T, H, D), -2, 2, jnp.float32)
   k = _ints(rng, (B, T, D), -2, 2, jnp.float32)
   w = _ints(rng, (B, T, H), -1, 2, jnp.float32)
-  q_seg = _segments(rng, B, T, 3)
+  q_seg = packed_segments(rng, B, T, 3)
   kv_seg = q_seg.copy()
   if fully_masked:  # segment 1 of the keys starts late: its first queries see no key at all
     start = int(np.argmax(q_seg[0] == 1))
@@ -159,28 +155,6 @@ def test_integer_inputs_packed_segments(fully_masked):
                                             dict(topk=topk, segment_ids=(q_seg, kv_seg)))
   if fully_masked:
     assert (o_idx[1] == -1).all() and (o_idx[0, start] == -1).all() and (o_idx[0] >= 0).any()
-
-
-def _assert_near_exact(idx, sc, full, vis, o_idx, o_sc, name):
-  """Selected sets may differ only at keys within float32 rounding of the k-th oracle score."""
-  idx, sc = np.asarray(idx), np.asarray(sc)
-  B, Tq, _ = idx.shape
-  for b in range(B):
-    for t in range(Tq):
-      n = int((o_idx[b, t] >= 0).sum())
-      assert (idx[b, t, n:] == -1).all() and (sc[b, t, n:] == -np.inf).all(), (name, b, t)
-      got, want = idx[b, t, :n], o_idx[b, t, :n]
-      if n == 0:
-        continue
-      assert len(set(got.tolist())) == n and (got >= 0).all() and vis[b, t, got].all(), (name, b, t)
-      row, kth = full[b, t], o_sc[b, t, n - 1]
-      tol = 1e-5 * (1.0 + np.abs(row[vis[b, t]]).max())
-      for s in set(got.tolist()) - set(want.tolist()):
-        assert row[s] >= kth - tol, (name, b, t, s, row[s], kth)
-      for s in set(want.tolist()) - set(got.tolist()):
-        assert row[s] <= kth + tol, (name, b, t, s, row[s], kth)
-      np.testing.assert_allclose(sc[b, t, :n], row[got], rtol=1e-5, atol=tol, err_msg=name)
-      assert (np.diff(sc[b, t, :n]) <= 0).all(), (name, b, t)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -198,7 +172,7 @@ def test_random_real_inputs_near_exact(dtype, use_weights, q_offset):
   vis = visibility(B, Tq, Tk, q_offset=q_offset)
   o_idx, o_sc = topk_oracle(q64, k64, w64, **kw)
   for name, (idx, sc) in _all_backends(q, k, w, **kw).items():
-    _assert_near_exact(idx, sc, full, vis, o_idx, o_sc, name)
+    assert_topk_near_exact(idx, sc, full, vis, o_idx, o_sc, name)
 
 
 def test_deterministic_and_backends_agree():

@@ -28,10 +28,12 @@ try:
   from tests.jaxpr_tools import equations, largest_intermediate
   from tests.oracles import index_scores as oracle_scores
   from tests.oracles import topk_oracle, visibility
+  from tests.topk_checks import packed_segments
 except ImportError:  # tests/ itself is on sys.path (pytest rootdir-less import mode)
   from jaxpr_tools import equations, largest_intermediate
   from oracles import index_scores as oracle_scores
   from oracles import topk_oracle, visibility
+  from topk_checks import packed_segments
 
 # Small blocks and buffers so the sampled threshold and its recursion run at tiny shapes: with
 # topk in 4..8 and Tk > 16 keys the threshold is the 2nd best of every topk-th key. chunk_bytes
@@ -58,12 +60,6 @@ def _reference(q, k, w, q_offset, segment_ids, *, topk, compress_ratio, scale):
 
 def _ints(rng, shape, lo, hi, dtype=jnp.float32):
   return jnp.asarray(rng.integers(lo, hi + 1, size=shape).astype(np.float32), dtype)
-
-
-def _segments(rng, B, T, n_seg):
-  """Sorted packed-document ids, int32 [B, T]."""
-  cuts = np.sort(rng.integers(1, T, size=(B, n_seg - 1)), axis=1)
-  return np.stack([np.searchsorted(c, np.arange(T), side="right") for c in cuts]).astype(np.int32)
 
 
 def _f64(x):
@@ -333,7 +329,7 @@ def test_compressed_offset_segments_bf16_odd_heads():
   q = _ints(rng, (B, Tq, H, D), -2, 2, jnp.bfloat16)
   k = _ints(rng, (B, Tk, D), -2, 2, jnp.bfloat16)
   # Packed documents over the token positions; a compressed key carries the id of its last token.
-  tokens = _segments(rng, B, ratio * Tk, 3)
+  tokens = packed_segments(rng, B, ratio * Tk, 3)
   q_seg = jnp.asarray(tokens[:, q_offset:q_offset + Tq])
   kv_seg = jnp.asarray(tokens[:, ratio - 1::ratio])
   seg = (q_seg, kv_seg)

@@ -10,8 +10,13 @@ over heads in f32. Against a per-row threshold `t` it appends, in key order,
 and counts both, plus the visible keys, so a caller can prove each row exact or recompute it: the
 counts keep growing after a buffer is full. No [Tq, Tk] table is written; key tiles after the last
 key visible to a query block are not computed. The scores are the kernel's own f32 arithmetic
-(products in f32, head sum in f32, then `scale`, -0 folded to +0, NaN ranked as -inf), which on
-integer-valued inputs is bit-identical to the reference.
+(products in f32, head sum in f32, then `scale` or each key's `key_scale`, -0 folded to +0, NaN
+ranked as -inf), which on integer-valued inputs is bit-identical to the reference.
+
+fp8 (float8_e4m3fn) q and k go to the dot as they are, with f32 accumulation: on Hopper that is the
+fp8 WGMMA, twice the bf16 rate. Their scales never touch the [rows, keys] tile before the head sum:
+the caller folds q's row scales into the head weights, and k's scales (times `scale`) come in as
+`key_scale`, one multiply per (query, key) after the head sum, as DeepSeek-V3.2's `fp8_index` does.
 
 `hyscale_jax.ops.flash_topk.pallas` builds the exact top-k on this pass (threshold from a key
 sample, exact finish, rescue); see its docstring. Triton wants power-of-two blocks and matmul dims
@@ -101,12 +106,14 @@ class Config:
 
 
 def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads, block_k, num_keys,
-                       compress_ratio, scale, slots, tie_slots, has_weights, has_segments, precise):
-  # Inputs: q_offset [1], q [block_q*H, D], k [Tk_pad, D], t [block_q], then weights [block_q*H, 1]
-  # and (q_seg [block_q], kv_seg [Tk_pad]) when present. Outputs: candidate indices and scores
-  # [block_q*slots], tie indices [block_q*tie_slots], and n_gt, n_eq, n_visible [block_q].
+                       compress_ratio, scale, slots, tie_slots, has_weights, has_key_scale, has_segments,
+                       precise):
+  # Inputs: q_offset [1], q [block_q*H, D], k [Tk_pad, D], t [block_q], then weights [block_q*H, 1],
+  # key_scale [Tk_pad] and (q_seg [block_q], kv_seg [Tk_pad]) when present. Outputs: candidate
+  # indices and scores [block_q*slots], tie indices [block_q*tie_slots], and n_gt, n_eq, n_visible [block_q].
   refs = list(refs)
   w_ref = refs.pop(0) if has_weights else None
+  key_scale_ref = refs.pop(0) if has_key_scale else None
   q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if has_segments else (None, None)
   cand_idx_ref, cand_score_ref, tie_idx_ref, n_gt_ref, n_eq_ref, n_vis_ref = refs
 
@@ -143,7 +150,11 @@ def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads,
     relu = jnp.maximum(dots, 0.0)
     if has_weights:
       relu = relu * w
-    score = relu.reshape(block_q, heads, block_k).sum(axis=1) * scale
+    score = relu.reshape(block_q, heads, block_k).sum(axis=1)
+    if has_key_scale:
+      score = score * key_scale_ref[pl.ds(j * block_k, block_k)][None, :]
+    else:
+      score = score * scale
     score = jnp.where(score == 0.0, 0.0, score)  # -0 joins the zero plateau's tie class
     score = jnp.where(jnp.isnan(score), -jnp.inf, score)  # NaN ranks lowest, as in the reference
     above, tied = score > t[:, None], score == t[:, None]
@@ -197,13 +208,14 @@ class Candidates(NamedTuple):
 
 
 def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, topk, compress_ratio,
-                          scale, slots, config: Config, interpret: bool) -> Candidates:
+                          scale, slots, config: Config, interpret: bool, key_scale=None,
+                          debug: bool = False) -> Candidates:
   """Runs the main pass.
 
   Args:
-    q: bf16|f32[B, Tq, H, D] queries, at absolute positions q_offset + t.
-    k: bf16|f32[B, Tk, D] keys, same dtype as q.
-    weights: bf16|f32[B, Tq, H] or None (all ones).
+    q: bf16|f32|float8_e4m3fn[B, Tq, H, D] queries, at absolute positions q_offset + t.
+    k: bf16|f32|float8_e4m3fn[B, Tk, D] keys, same dtype as q.
+    weights: bf16|f32[B, Tq, H] or None (all ones); for fp8, q's row scales already folded in.
     threshold: f32[B, Tq], the per-row t.
     q_offset: i32 scalar (may be traced).
     segment_ids: None or (q_seg int[B, Tq], kv_seg int[B, Tk]).
@@ -212,13 +224,17 @@ def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, to
     slots: strict-candidate slots per row (a power of two).
     config: block sizes and launch parameters.
     interpret: run in Pallas interpret mode (CPU).
+    key_scale: f32[B, Tk] or None: each key's factor on its head sum, used instead of `scale`
+      (the fp8 path: k's scale times `scale`).
+    debug: print the Triton IR (Pallas's `debug`).
 
   Returns:
     `Candidates`.
   """
   B, Tq, H, D = q.shape
   Tk = k.shape[1]
-  heads, dim = next_power_of_two(H), max(16, next_power_of_two(D))
+  # Triton's dot wants K >= 16, and >= 32 for fp8 (one e4m3 WGMMA step); zero columns add nothing.
+  heads, dim = next_power_of_two(H), max(16 if q.dtype.itemsize > 1 else 32, next_power_of_two(D))
   if weights is None and heads != H:
     weights = jnp.ones((B, Tq, H), jnp.float32)  # padded heads need weight 0
   block_q, block_k = config.block_q(H), config.block_k
@@ -240,6 +256,9 @@ def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, to
     weights = jnp.pad(weights, ((0, 0), (0, Tq_pad - Tq), (0, heads - H)))
     operands.append(weights.reshape(B, Tq_pad * heads, 1))
     in_specs.append(pl.BlockSpec((None, block_q * heads, 1), lambda b, i: (b, i, 0)))
+  if key_scale is not None:
+    operands.append(jnp.pad(key_scale.astype(jnp.float32), ((0, 0), (0, Tk_pad - Tk))))
+    in_specs.append(pl.BlockSpec((None, Tk_pad), lambda b, i: (b, 0)))
   if segment_ids is not None:
     q_seg, kv_seg = (s.astype(jnp.int32) for s in segment_ids)
     operands += [jnp.pad(q_seg, ((0, 0), (0, Tq_pad - Tq))), jnp.pad(kv_seg, ((0, 0), (0, Tk_pad - Tk)))]
@@ -249,7 +268,8 @@ def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, to
   kernel = functools.partial(
       _candidates_kernel, block_q=block_q, heads=heads, block_k=block_k, num_keys=Tk,
       compress_ratio=compress_ratio, scale=float(scale), slots=slots, tie_slots=tie_slots,
-      has_weights=weights is not None, has_segments=segment_ids is not None,
+      has_weights=weights is not None, has_key_scale=key_scale is not None,
+      has_segments=segment_ids is not None,
       precise=q.dtype == jnp.float32)
   outs = pl.pallas_call(
       kernel,
@@ -264,6 +284,7 @@ def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, to
       out_specs=(per_row(slots), per_row(slots), per_row(tie_slots), *[per_row(1)] * 3),
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
+      debug=debug,
       name="hyscale_flash_topk_candidates",
   )(*operands)
   cand_idx, cand_score, tie_idx, n_gt, n_eq, n_vis = (o[:, : Tq * o.shape[1] // Tq_pad] for o in outs)

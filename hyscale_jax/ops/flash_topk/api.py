@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, Int
 from hyscale_jax import remat
 from hyscale_jax.ops import _checks, _context
 from hyscale_jax.ops._registry import Backend, BackendRegistry
-from hyscale_jax.ops.flash_topk.reference import flash_topk_reference, flash_topk_xla_baseline
+from hyscale_jax.ops.flash_topk.reference import FP8, flash_topk_reference, flash_topk_xla_baseline, fold_q_scale
 
 REGISTRY = BackendRegistry(
     "flash_topk",
@@ -39,6 +39,8 @@ def flash_topk(
     q_offset: int | Int[Array, ""] = 0,
     segment_ids: tuple[Int[Array, "B Tq"], Int[Array, "B Tk"]] | None = None,
     scale: float = 1.0,
+    q_scale: Float[Array, "B Tq H"] | None = None,
+    k_scale: Float[Array, "B Tk"] | None = None,
     backend: Backend = "auto",
 ) -> TopK:
   """Exact top-k of `score[b,t,s] = scale * sum_h weights[b,t,h] * relu(<q[b,t,h], k[b,s]>)`.
@@ -52,15 +54,25 @@ def flash_topk(
   in that order. Products accumulate in f32 and the head sum is f32. The outputs carry no gradient;
   they are tagged `remat.SELECTION`, so the `"selection_replay"` remat policy saves them.
 
+  fp8 (DeepSeek-V3.2's indexer): q and k in float8_e4m3fn, with their scales from `quantize_fp8`.
+  The score is then the f32 function
+  `(sum_h (weights[b,t,h] * q_scale[b,t,h]) * relu(<q[b,t,h], k[b,s]>)) * (k_scale[b,s] * scale)`,
+  each parenthesis one f32 product (a missing scale is 1): the dequantized score for scales >= 0,
+  with the scales applied where DeepSeek's `fp8_index` applies them. Products of two e4m3 values are
+  exact in f32, so every backend selects the top-k of this one function.
+
   Args:
-    q: bf16|f32[B, Tq, H, D] indexer queries.
-    k: bf16|f32[B, Tk, D] indexer keys, one per key position, shared by all heads.
+    q: bf16|f32|float8_e4m3fn[B, Tq, H, D] indexer queries.
+    k: bf16|f32|float8_e4m3fn[B, Tk, D] indexer keys, one per key position, shared by all heads
+      (fp8 only together with fp8 q).
     weights: bf16|f32[B, Tq, H] per-head weights, or None for all ones (QSA).
     topk: how many keys to select per query (>= 1; may exceed the visible count).
     compress_ratio: tokens per key (1 for token keys, m for compressed blocks).
     q_offset: absolute position of query 0 (int or 0-d int array, e.g. a shard offset).
     segment_ids: optional (q_seg int[B, Tq], kv_seg int[B, Tk]) for packed documents.
     scale: multiplies the score (static Python float).
+    q_scale: f32[B, Tq, H] fp8 q's per-(token, head) scales, or None (1); only with fp8 inputs.
+    k_scale: f32[B, Tk] fp8 k's per-key scales, or None (1); only with fp8 inputs.
     backend: "auto", "pallas", "reference" or "xla_baseline".
 
   Returns:
@@ -68,36 +80,41 @@ def flash_topk(
     visible, the tail slots hold index -1 and score -inf.
 
   Raises:
-    ValueError: on a wrong rank, a mismatched batch/head/dim size, a bad dtype or `topk < 1`.
+    ValueError: on a wrong rank, a mismatched batch/head/dim size, a bad dtype, `topk < 1`, one
+      fp8 input without the other, or a scale without fp8 inputs.
   """
   _check_args(q, k, weights, topk, compress_ratio, q_offset, segment_ids, scale)
+  _check_fp8(q, k, q_scale, k_scale)
   names = REGISTRY.candidates(backend)
   indices, scores = _flash_topk(
-      q, k, weights, jnp.asarray(q_offset, jnp.int32), segment_ids,
+      q, k, weights, jnp.asarray(q_offset, jnp.int32), segment_ids, q_scale, k_scale,
       topk=int(topk), compress_ratio=int(compress_ratio), scale=float(scale), names=names,
   )
   return TopK(*remat.tag((indices, scores), remat.SELECTION))
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "compress_ratio", "scale", "names"))
-def _flash_topk(q, k, weights, q_offset, segment_ids, *, topk, compress_ratio, scale, names):
+def _flash_topk(q, k, weights, q_offset, segment_ids, q_scale, k_scale, *, topk, compress_ratio, scale,
+                names):
   """The single jaxpr equation (named `_flash_topk`) that tools count as one selection."""
-  q, k, weights = jax.lax.stop_gradient((q, k, weights))
+  q, k, weights, q_scale, k_scale = jax.lax.stop_gradient((q, k, weights, q_scale, k_scale))
+  weights = fold_q_scale(weights, q_scale)  # backends see q's scales only through the head weights
   q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
 
   def select(row_offset, local, full, replicated):
-    (q, weights, q_seg), (k, kv_seg), (q_offset,) = local, full, replicated
+    (q, weights, q_seg), (k, kv_seg, k_scale), (q_offset,) = local, full, replicated
     return REGISTRY.run(
         names, q, k, weights, topk=topk, compress_ratio=compress_ratio, q_offset=q_offset + row_offset,
-        segment_ids=None if q_seg is None else (q_seg, kv_seg), scale=scale,
+        segment_ids=None if q_seg is None else (q_seg, kv_seg), scale=scale, k_scale=k_scale,
     )
 
   mesh = _context.context_mesh()
   if mesh is None:
-    indices, scores = select(0, (q, weights, q_seg), (k, kv_seg), (q_offset,))
+    indices, scores = select(0, (q, weights, q_seg), (k, kv_seg, k_scale), (q_offset,))
   else:  # context parallelism: this device's query rows against all-gathered keys
     indices, scores = _context.run_sequence_sharded(
-        select, mesh, sharded=(q, weights, q_seg), gathered=(k, kv_seg), replicated=(q_offset,), n_out=2)
+        select, mesh, sharded=(q, weights, q_seg), gathered=(k, kv_seg, k_scale), replicated=(q_offset,),
+        n_out=2)
   return indices, jax.lax.stop_gradient(scores)
 
 
@@ -122,3 +139,23 @@ def _check_args(q, k, weights, topk, compress_ratio, q_offset, segment_ids, scal
   _checks.check_scalar_int("q_offset", q_offset)
   _checks.check_static_float("scale", scale)
   _checks.check_segment_ids(segment_ids, B, Tq, k.shape[1])
+
+
+def _check_fp8(q, k, q_scale, k_scale):
+  """fp8 means float8_e4m3fn q and k together; the scales come only with them, shaped per row."""
+  fp8 = [x.dtype == FP8 for x in (q, k)]
+  for name, x in (("q", q), ("k", k)):
+    if x.dtype.itemsize == 1 and x.dtype != FP8:
+      raise ValueError(f"{name}.dtype={x.dtype}: the fp8 path takes float8_e4m3fn.")
+  if fp8[0] != fp8[1]:
+    raise ValueError(f"q.dtype={q.dtype} and k.dtype={k.dtype}: fp8 q and k come together.")
+  B, Tq, H, _ = q.shape
+  for name, x, shape in (("q_scale", q_scale, (B, Tq, H)), ("k_scale", k_scale, (B, k.shape[1]))):
+    if x is None:
+      continue
+    if not fp8[0]:
+      raise ValueError(f"{name} dequantizes fp8 inputs, but q.dtype={q.dtype}.")
+    _checks.check_float(name, x)
+    if tuple(x.shape) != shape:
+      raise ValueError(f"{name}.shape={tuple(x.shape)} must be {shape} from q.shape={tuple(q.shape)} "
+                       f"and k.shape={tuple(k.shape)}.")

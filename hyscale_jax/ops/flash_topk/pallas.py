@@ -17,6 +17,10 @@
 The zero plateau of ReLU scores is just a tie class: with `t == 0` the tie buffer keeps the first
 `topk` zeros and the row does not overflow. Queries run in chunks so that the candidate buffers stay
 under `Config.chunk_bytes`: working memory does not grow with Tq * Tk.
+
+fp8 (float8_e4m3fn q and k, with `k_scale`): every stage scores with the same function
+(`reference.index_scores`: k's scale times `scale` on each key's head sum), the main pass on fp8
+tensor cores, the threshold and the rescue through the same paths as bf16.
 """
 
 from __future__ import annotations
@@ -27,19 +31,21 @@ import jax
 import jax.numpy as jnp
 
 from hyscale_jax.ops import _streaming as st
-from hyscale_jax.ops.flash_topk.reference import default_key_chunk, pad_keys, topk_rows
+from hyscale_jax.ops.flash_topk.reference import default_key_chunk, key_factor, pad_keys, topk_rows
 from pallas_kernels.flash_topk import (
     Candidates, Config, flash_topk_candidates, from_ordered_bits, next_power_of_two, ordered_bits, select_candidates,
 )
 
 
 def flash_topk_pallas(q, k, weights, *, topk, compress_ratio=1, q_offset=0, segment_ids=None,
-                      scale=1.0, config: Config | None = None, interpret: bool | None = None):
+                      scale=1.0, k_scale=None, config: Config | None = None, interpret: bool | None = None):
   """Exact top-k as `ops.flash_topk` defines it, with the Pallas main pass.
 
   Args:
-    q: bf16|f32[B, Tq, H, D]; k: bf16|f32[B, Tk, D]; weights: bf16|f32[B, Tq, H] or None.
+    q: bf16|f32|float8_e4m3fn[B, Tq, H, D]; k: the same dtypes, [B, Tk, D]; weights: bf16|f32[B, Tq, H]
+      or None (for fp8, with q's scales folded in: `reference.fold_q_scale`).
     topk, compress_ratio, q_offset, segment_ids, scale: as in `ops.flash_topk`.
+    k_scale: f32[B, Tk] or None: fp8 k's per-key scales.
     config: `pallas_kernels.flash_topk.Config`; None = the defaults.
     interpret: run the kernel in Pallas interpret mode; None = whenever JAX's backend is not a GPU.
 
@@ -47,13 +53,13 @@ def flash_topk_pallas(q, k, weights, *, topk, compress_ratio=1, q_offset=0, segm
     (indices i32[B, Tq, topk], scores f32[B, Tq, topk]); empty slots hold (-1, -inf).
   """
   indices, scores, _ = _run(q, k, weights, topk=topk, compress_ratio=compress_ratio,
-                            q_offset=q_offset, segment_ids=segment_ids, scale=scale, config=config,
-                            interpret=interpret)
+                            q_offset=q_offset, segment_ids=segment_ids, scale=scale, k_scale=k_scale,
+                            config=config, interpret=interpret)
   return indices, scores
 
 
 def flash_topk_pallas_with_stats(q, k, weights, *, topk, compress_ratio=1, q_offset=0,
-                                 segment_ids=None, scale=1.0, config: Config | None = None,
+                                 segment_ids=None, scale=1.0, k_scale=None, config: Config | None = None,
                                  interpret: bool | None = None):
   """`flash_topk_pallas` plus how its threshold did, for tuning, benchmarks and tests.
 
@@ -63,29 +69,31 @@ def flash_topk_pallas_with_stats(q, k, weights, *, topk, compress_ratio=1, q_off
     keys kept above the threshold; the threshold aims at `oversample * topk`).
   """
   return _run(q, k, weights, topk=topk, compress_ratio=compress_ratio, q_offset=q_offset,
-              segment_ids=segment_ids, scale=scale, config=config, interpret=interpret)
+              segment_ids=segment_ids, scale=scale, k_scale=k_scale, config=config, interpret=interpret)
 
 
-def _run(q, k, weights, *, topk, compress_ratio, q_offset, segment_ids, scale, config, interpret):
+def _run(q, k, weights, *, topk, compress_ratio, q_offset, segment_ids, scale, k_scale, config,
+         interpret):
   config = config or Config()
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   dtype = jnp.promote_types(q.dtype, k.dtype)
   q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
   return _select(q.astype(dtype), k.astype(dtype), weights, jnp.asarray(q_offset, jnp.int32), q_seg,
-                 kv_seg, topk=topk, compress_ratio=compress_ratio, scale=scale, config=config,
+                 kv_seg, k_scale, topk=topk, compress_ratio=compress_ratio, scale=scale, config=config,
                  interpret=interpret)
 
 
-def _select(q, k, weights, q_offset, q_seg, kv_seg, *, topk, compress_ratio, scale, config,
+def _select(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_ratio, scale, config,
             interpret):
   """(indices, scores, stats) for the top level; the threshold recursion uses the same path."""
   B, Tq, H, _ = q.shape
   Tk = k.shape[1]
   slots = config.candidate_slots(topk, Tk)
-  threshold = _threshold(q, k, weights, q_offset, q_seg, kv_seg, topk=topk,
+  threshold = _threshold(q, k, weights, q_offset, q_seg, kv_seg, k_scale, topk=topk,
                          compress_ratio=compress_ratio, scale=scale, slots=slots, config=config,
                          interpret=interpret)
+  key_scale = None if k_scale is None else key_factor(k_scale, scale)
   # Query chunks bound the candidate buffers. The last chunk is shifted back to end at Tq (rows it
   # shares with the previous chunk are recomputed identically), so q is never padded or copied.
   # Equal chunks keep that overlap under block_q rows per chunk; the largest chunk under the budget left
@@ -102,14 +110,15 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, *, topk, compress_ratio, sca
     candidates = flash_topk_candidates(
         rows(q, start), k, rows(weights, start), t_c, q_offset=q_offset + start,
         segment_ids=None if q_seg is None else (rows(q_seg, start), kv_seg), topk=topk,
-        compress_ratio=compress_ratio, scale=scale, slots=slots, config=config, interpret=interpret)
+        compress_ratio=compress_ratio, scale=scale, slots=slots, config=config, interpret=interpret,
+        key_scale=key_scale)
     found = (*_finish(candidates, t_c, topk, method=config.finish, interpret=interpret), candidates.n_above)
     return tuple(jax.lax.dynamic_update_slice_in_dim(o, f, start, 1) for o, f in zip(outs, found))
 
   outs = (jnp.zeros((B, Tq, topk), jnp.int32), jnp.zeros((B, Tq, topk), jnp.float32),
           jnp.zeros((B, Tq), bool), jnp.zeros((B, Tq), jnp.int32))
   indices, scores, exact, n_above = jax.lax.fori_loop(0, st.cdiv(Tq, chunk), chunk_topk, outs)
-  indices, scores = _rescue(indices, scores, exact, q, k, weights, q_offset, q_seg, kv_seg,
+  indices, scores = _rescue(indices, scores, exact, q, k, weights, q_offset, q_seg, kv_seg, k_scale,
                             topk=topk, compress_ratio=compress_ratio, scale=scale,
                             rows_per_step=config.rescue_rows)
   stats = dict(rows=B * Tq, rescued=jnp.sum(~exact, dtype=jnp.int32),
@@ -117,8 +126,8 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, *, topk, compress_ratio, sca
   return indices, scores, stats
 
 
-def _threshold(q, k, weights, q_offset, q_seg, kv_seg, *, topk, compress_ratio, scale, slots, config,
-               interpret):
+def _threshold(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_ratio, scale, slots,
+               config, interpret):
   """f32[B, Tq]: the r-th best score of a strided key sample, or -inf where every key fits."""
   B, Tq = q.shape[:2]
   Tk = k.shape[1]
@@ -128,10 +137,10 @@ def _threshold(q, k, weights, q_offset, q_seg, kv_seg, *, topk, compress_ratio, 
   rank = max(1, math.ceil(config.oversample * topk / stride))
   # Sample key j is key j*stride + stride-1: visible exactly when (j+1) * stride * compress_ratio
   # <= p + 1, which is the same problem with compress_ratio * stride.
-  k_sample = k[:, stride - 1 :: stride]
-  kv_seg_sample = None if kv_seg is None else kv_seg[:, stride - 1 :: stride]
-  _, sample_scores, _ = _select(q, k_sample, weights, q_offset, q_seg, kv_seg_sample, topk=rank,
-                                compress_ratio=compress_ratio * stride, scale=scale,
+  k_sample, kv_seg_sample, k_scale_sample = (
+      None if x is None else x[:, stride - 1 :: stride] for x in (k, kv_seg, k_scale))
+  _, sample_scores, _ = _select(q, k_sample, weights, q_offset, q_seg, kv_seg_sample, k_scale_sample,
+                                topk=rank, compress_ratio=compress_ratio * stride, scale=scale,
                                 config=config, interpret=interpret)
   return sample_scores[..., rank - 1]
 
@@ -184,18 +193,19 @@ def _finish(c: Candidates, threshold, topk, *, method="select", interpret=False)
   return indices, scores, exact
 
 
-def _rescue(indices, scores, exact, q, k, weights, q_offset, q_seg, kv_seg, *, topk, compress_ratio,
-            scale, rows_per_step):
+def _rescue(indices, scores, exact, q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk,
+            compress_ratio, scale, rows_per_step):
   """Recomputes the rows not proven exact with the streaming reference, `rows_per_step` at a time.
 
-  indices/scores [B, Tq, topk] and exact bool[B, Tq]; q [B, Tq, H, D], k [B, Tk, D]. One while loop
+  indices/scores [B, Tq, topk] and exact bool[B, Tq]; q [B, Tq, H, D], k [B, Tk, D] (k_scale [B, Tk]
+  or None). One while loop
   per sequence updates the outputs in place (a vmapped loop would select between whole carries and
   double the outputs' memory); with nothing to rescue each loop runs zero steps.
   """
   B, Tq = q.shape[:2]
   Tk = k.shape[1]
   key_chunk = min(default_key_chunk(topk), Tk)
-  k, kv_seg = pad_keys(k, kv_seg, key_chunk)
+  k, kv_seg, k_scale = pad_keys(key_chunk, k, kv_seg, k_scale)
   n_steps = st.cdiv(Tq, rows_per_step)
   for b in range(B):
     todo = jnp.nonzero(~exact[b], size=n_steps * rows_per_step, fill_value=Tq)[0]
@@ -209,7 +219,8 @@ def _rescue(indices, scores, exact, q, k, weights, q_offset, q_seg, kv_seg, *, t
       take = lambda x: None if x is None else x[b][safe][None]
       new_idx, new_sc = topk_rows(
           take(q), one(k), take(weights), q_offset + safe, take(q_seg), one(kv_seg), num_keys=Tk,
-          topk=topk, compress_ratio=compress_ratio, scale=scale, key_chunk=key_chunk)
+          topk=topk, compress_ratio=compress_ratio, scale=scale, key_chunk=key_chunk,
+          k_scale_padded=one(k_scale))
       return (s + 1, indices.at[b, rows].set(new_idx[0], mode="drop"),
               scores.at[b, rows].set(new_sc[0], mode="drop"))
 
