@@ -36,8 +36,9 @@ def _chunked(config, B, H, G, Dk, Dv, K, value_is_key, rows):
   return dataclasses.replace(config, chunk_bytes=rows * B * n_blocks * -(-K // block_k) * block_k * dims * 4)
 
 
-def _backward(case, deterministic, rows_per_chunk=None, seed=5):
-  """(grads of L = sum(out * dout) + sum(lse * dlse) from the kernels, the oracle's, inputs)."""
+def _backward(case, deterministic, rows_per_chunk=None, seed=5, layout=None):
+  """(grads of L = sum(out * dout) + sum(lse * dlse) from the kernels, the oracle's, inputs); `layout`
+  replaces fields of the case's Config (slice_h)."""
   B, T, S, H, G, Dk, Dv, K, sinks, config, value_is_key = _ALL_CASES[case]
   rng = np.random.default_rng(seed)
   q, k, v, idx, s = _inputs(rng, B, T, S, H, G, Dk, Dv, K, sinks)
@@ -52,7 +53,8 @@ def _backward(case, deterministic, rows_per_chunk=None, seed=5):
                                              config=config, **value_kw)
   dlse = np.where(np.isinf(lse), 0, dlse)
   grads = sparse_attention_backward_pallas((q, k, None if value_is_key else v, idx, s, out, lse), (dout, dlse),
-                                           scale=0.3, deterministic=deterministic, config=config)
+                                           scale=0.3, deterministic=deterministic,
+                                           config=dataclasses.replace(config, **(layout or {})))
   dq, dk, dv, dsinks = sparse_attention_grads_oracle(q, k, v, idx, dout, dlse, scale=0.3, sinks=s)
   if value_is_key:  # the value gradient lands on the key's prefix
     dk = dk.copy()
@@ -70,6 +72,24 @@ def test_deterministic_backward_matches_oracle(case):
     assert (got is None) == (w is None), name
     if w is not None:
       assert got.shape == w.shape, name
+      np.testing.assert_allclose(got, w, atol=2e-6 * np.abs(w).max(), rtol=1e-4, err_msg=name)
+
+
+# Head slices (issue 20): each program's heads in slices of `slice_h` (2 or 4 slices at these blocks).
+_LAYOUTS = {"slices_of_2": dict(slice_h=2), "slices_of_1": dict(slice_h=1)}
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("case", ["mla_like", "v4_like", "gqa_padded_heads", "gqa_sinks"])
+def test_head_slices_match_oracle(case, deterministic, layout):
+  """Sliced heads, atomic and deterministic, on MLA-like (v = the key prefix), V4-like (K = V, sinks),
+  GQA with padded heads and a ragged K, and GQA with an explicit v."""
+  rows = 2 if deterministic else None
+  grads, want = _backward(case, deterministic, rows_per_chunk=rows, layout=_LAYOUTS[layout])
+  for name, got, w in zip(("dq", "dk", "dv", "dsinks"), grads, want):
+    assert (got is None) == (w is None), name
+    if w is not None:
       np.testing.assert_allclose(got, w, atol=2e-6 * np.abs(w).max(), rtol=1e-4, err_msg=name)
 
 

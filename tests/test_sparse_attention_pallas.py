@@ -14,8 +14,10 @@ from pallas_kernels.sparse_attention import (
 )
 
 try:
+  from tests.jaxpr_tools import equations, export_for_h200
   from tests.oracles import sparse_attention_grads_oracle, sparse_attention_oracle
 except ImportError:
+  from jaxpr_tools import equations, export_for_h200
   from oracles import sparse_attention_grads_oracle, sparse_attention_oracle
 
 # name -> (B, T, S, H, G, Dk, Dv, K, sinks, config)
@@ -112,6 +114,33 @@ def test_kernel_runs_once_per_layer_under_selection_replay():
 def test_config_rejects_non_power_of_two_blocks():
   with pytest.raises(ValueError, match="block_k"):
     Config(block_k=48)
+  with pytest.raises(ValueError, match="slice_h"):
+    Config(slice_h=12)
+
+
+def test_backward_runs_64_sliced_heads_per_program_at_the_mla_shape_and_lowers_for_the_h200():
+  """bf16 absorbed MLA (64 heads of 576, v = the 512 prefix, k 2048): one program per token holds all
+  64 heads (in slices of 32), and the kernel lowers to Triton IR for an abstract H200 with its relaxed
+  atomic adds. f32 (64 heads of it overflow shared memory) and QSA's 12 heads per group keep 32."""
+  assert Config.backward_heuristics(576, 512, 2, 64) == Config(block_h=64, block_k=32, num_warps=8, num_stages=1,
+                                                               slice_h=32)
+  assert Config.backward_heuristics(512, 512, 2, 128).slice_h == 32  # DeepSeek-V4 dims; MLA with 128 heads
+  for args in ((576, 512, 4, 64), (256, 256, 2, 12), (0, 0, 0)):
+    assert Config.backward_heuristics(*args) == Config(block_h=32, block_k=16, num_warps=4, num_stages=1)
+  T, H, Dk, Dv, K = 8, 64, 576, 512, 2048
+  f = jax.ShapeDtypeStruct
+  q, k, idx = f((1, T, H, Dk), jnp.bfloat16), f((1, T, 1, Dk), jnp.bfloat16), f((1, T, K), jnp.int32)
+  out, lse = f((1, T, H, Dv), jnp.bfloat16), f((1, T, H), jnp.float32)
+
+  def backward(q, k, idx, out, lse):
+    return sparse_attention_backward_pallas((q, k, None, idx, None, out, lse), (out, jnp.zeros_like(lse)),
+                                            scale=Dk**-0.5, interpret=False)[:2]
+
+  eqns = list(equations(jax.make_jaxpr(backward)(q, k, idx, out, lse)))
+  [call] = [e for e in eqns if e.primitive.name == "pallas_call"]
+  assert call.params["grid_mapping"].grid == (1, T, 1)  # one 64-head program per token
+  assert any(e.primitive.name == "hyscale_relaxed_atomic_add" for e in eqns)
+  assert export_for_h200(backward, q, k, idx, out, lse).mlir_module().count("__gpu$xla.gpu.triton") == 1
 
 
 @pytest.mark.parametrize("case", list(_CASES))

@@ -15,7 +15,9 @@ value rows by integer-array loads.
   `2 (n - 1) 2^-24 sum |terms|` (Higham's bound for recursive summation), n being how many
   (query, head) pairs selected that key. The inverted alternative (key-outer, FSA-style) reads a
   whole [H, Dk] query row per selected pair instead of writing one [Dk] gradient row, 64-128x the
-  bytes in MQA mode, so it loses here.
+  bytes in MQA mode, so it loses here. The atomics scale with the head blocks, so at MLA and V4
+  dims a program takes all 64 heads and runs them in slices of 32 (`Config.slice_h`): every
+  matmul's M stays under Triton's wgmma threshold, so q and dout sit in shared memory once.
 - Deterministic backward (`deterministic=True`): the same kernel stores each step's dK/dV rows in
   its own f32 slab instead of adding them atomically, and `key_major.py` sums the slabs key by key
   in a fixed order (bit-identical run to run), queries in chunks of `Config.chunk_bytes` of slabs.
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +60,11 @@ _NEG = -1e30  # a finite "minus infinity" for the running max, so empty prefixes
 class Config:
   """Tuning: heads per program, selected keys per step, and Triton's warps/stages.
 
+  The backward adds `slice_h` (0: off): it computes S, P, dP, dS and dq for slices of `slice_h` of
+  the program's heads, and sums the slices' dK and dV rows before one scatter. Each matmul's M then
+  stays under 64, so Triton uses the older mma for all of them and keeps one shared-memory copy of
+  q and dout (wgmma for S = q k^T beside dS^T q on the older mma needs two copies of each, which
+  overflow the H200 at 64 heads of 576 + 512); 64 heads per program halve the atomic adds of 32.
   The deterministic backward adds two: `key_block`, keys per program of its key-major pass, and
   `chunk_bytes`, the budget of its f32 contribution slabs (queries run in chunks that fit it).
 
@@ -73,6 +81,7 @@ class Config:
   key_block: int = 16
   chunk_bytes: int = 1 << 30
   forward: str = "auto"
+  slice_h: int = 0
 
   @classmethod
   def heuristics(cls, Dk: int, Dv: int, itemsize: int) -> "Config":
@@ -89,13 +98,19 @@ class Config:
     return dataclasses.replace(cls.heuristics(Dk, 0, itemsize), num_warps=4)
 
   @classmethod
-  def backward_heuristics(cls, Dk: int, Dv: int, itemsize: int) -> "Config":
-    """The backward keeps q and dout in shared memory twice (as A and as transposed B operands), so
-    64 heads of 576 + 512 dims overflow the H200's 227 KiB; 32 heads, 16 keys, 4 warps measured best."""
-    del Dk, Dv, itemsize
+  def backward_heuristics(cls, Dk: int, Dv: int, itemsize: int, heads_per_group: int = 0) -> "Config":
+    """16-bit inputs with >= 64 heads per KV group (absorbed MLA, DeepSeek-V4; Dk <= 576, Dv <= 512):
+    64 heads per program in slices of 32, 32 keys per step, 8 warps, 1 stage, which halves the
+    atomic adds of 32 heads (at MLA dims on the H200, 16K: 133.91 against 142.98 ms; 64K: 566.29
+    against 660.59; V4 16K: 33.41 against 38.52; bench/NOTES.md). Else (f32, whose 64 heads overflow
+    shared memory; QSA's 12 heads per group) the earlier best: 32 heads, 16 keys, 4 warps."""
+    if itemsize == 2 and heads_per_group >= 64 and Dk <= 576 and Dv <= 512:
+      return cls(block_h=64, block_k=32, num_warps=8, num_stages=1, slice_h=32)
     return cls(block_h=32, block_k=16, num_warps=4, num_stages=1)
 
   def __post_init__(self):
+    if self.slice_h and self.slice_h & (self.slice_h - 1):
+      raise ValueError(f"Config.slice_h={self.slice_h} must be 0 or a power of two.")
     for name in ("block_h", "block_k", "key_block"):
       value = getattr(self, name)
       if value < 1 or value & (value - 1):
@@ -229,6 +244,10 @@ class _Layout:
 
   def sink_block(self):
     return pl.BlockSpec((self.block_h,), lambda b, t, h: (h,))
+
+  def head_slices(self, config: Config) -> int:
+    """How many slices of `config.slice_h` heads the backward splits each block of heads into."""
+    return max(1, self.block_h // config.slice_h) if config.slice_h else 1
 
   def params(self, config: Config):
     return plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
@@ -366,7 +385,13 @@ def sparse_attention_forward_pallas(q, k, v, indices, *, scale, sinks=None, valu
 # Backward.
 
 
-def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, value_from_key, precise, interpret, deterministic):
+def _matmul(a, b, contract, precision):
+  """f32 `dot_general(a, b)` contracting `contract` = (a's axes, b's axes), no batch axes."""
+  return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32, precision=precision)
+
+
+def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, value_from_key, precise, interpret, deterministic,
+                     head_slices):
   # Inputs: q parts [block_h, d_i] ..., k parts [S_pad, d_i] ..., v [S_pad, Dv] (absent when the
   # values are the first key part), indices [K_pad], dout [block_h, Dv], lse [block_h],
   # delta [block_h], then (atomic form) the aliased zero accumulators.
@@ -374,6 +399,8 @@ def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, value_from_key, p
   # part: their gradient is added into dk's first part). dk/dv are f32[S_pad, d] accumulators that
   # take atomic adds at the selected rows or, `deterministic`, this program's own f32[K_pad, d]
   # slab: row j holds slot j's contribution, for the key-major pass to sum.
+  # The heads run as `head_slices` slices (see Config): per-slice S, P, dP, dS and dq; dK and dV
+  # rows summed over the slices before their one scatter.
   q_refs, k_refs = refs[:n_parts], refs[n_parts : 2 * n_parts]
   rest = list(refs[2 * n_parts :])
   v_ref = None if value_from_key else rest.pop(0)
@@ -382,13 +409,14 @@ def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, value_from_key, p
   dq_refs, dk_refs = outs[:n_parts], outs[n_parts : 2 * n_parts]
   dv_ref = None if value_from_key else outs[-1]
   precision = _HIGHEST if precise else None
-  qs = [r[...] for r in q_refs]
-  do = do_ref[...]
-  lse = lse_ref[...]
-  lse = jnp.where(lse > -jnp.inf, lse, 0.0)  # an empty row has no valid entry: p is 0 regardless
-  delta = delta_ref[...]
+  slice_rows = do_ref.shape[0] // head_slices
+  slices = [pl.ds(i * slice_rows, slice_rows) for i in range(head_slices)]
+  qs = [[r[h, :] for r in q_refs] for h in slices]  # [slice][part]: [slice_rows, d_i]
+  dos = [do_ref[h, :] for h in slices]
+  lses = [jnp.where(x > -jnp.inf, x, 0.0) for x in (lse_ref[h] for h in slices)]  # empty rows: p is 0 anyway
+  deltas = [delta_ref[h] for h in slices]
 
-  def step(j, dqs):
+  def step(j, dqs):  # dqs: [slice][part] f32 accumulators
     valid, safe = _selected(idx_ref, j, block_k, num_keys)
 
     def emit(ref, rows):  # [block_k, d] gradient rows of slots j * block_k ...
@@ -397,32 +425,37 @@ def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, value_from_key, p
       else:
         scatter_add_rows(ref, safe, valid, rows, interpret)
 
+    def head_sum(xs, ws):  # sum over slices of w^T x: [block_k, d]
+      return functools.reduce(operator.add, [_matmul(w.astype(x.dtype), x, ((0,), (0,)), precision)
+                                             for x, w in zip(xs, ws)])
+
     ks = [k_ref[safe, :] for k_ref in k_refs]  # gathered once for S, dq and (MLA, V4) the values
-    s = _logits(qs, ks, precision) * scale
-    p = jnp.where(valid[None, :], jnp.exp(s - lse[:, None]), 0.0)  # [block_h, block_k]
     v = ks[0] if value_from_key else v_ref[safe, :]
-    dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                             precision=precision)
-    ds = p * (dp - delta[:, None])
-    dv = jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32, precision=precision)
+    ps, dss = [], []
+    for q, do, lse, delta in zip(qs, dos, lses, deltas):
+      s = _logits(q, ks, precision) * scale
+      p = jnp.where(valid[None, :], jnp.exp(s - lse[:, None]), 0.0)  # [slice_rows, block_k]
+      dp = _matmul(do, v, ((1,), (1,)), precision)
+      ps.append(p)
+      dss.append(p * (dp - delta[:, None]))
+    dv = head_sum(dos, ps)
     if not value_from_key:
       emit(dv_ref, dv)
-    new_dqs = []
-    for i, (q, k, dk_ref, dq) in enumerate(zip(qs, ks, dk_refs, dqs)):
-      new_dqs.append(dq + jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                                              preferred_element_type=jnp.float32, precision=precision))
-      dk = jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32, precision=precision) * scale
+    new_dqs = [[None] * n_parts for _ in slices]
+    for i, (k, dk_ref) in enumerate(zip(ks, dk_refs)):
+      for h, ds in enumerate(dss):
+        new_dqs[h][i] = dqs[h][i] + _matmul(ds.astype(k.dtype), k, ((1,), (0,)), precision)
+      dk = head_sum([q[i] for q in qs], dss) * scale
       if value_from_key and i == 0:
         dk = dk + dv  # one row carries the key and the value gradient
       emit(dk_ref, dk)
-    return tuple(new_dqs)
+    return new_dqs
 
-  init = tuple(jnp.zeros(q.shape, jnp.float32) for q in qs)
+  init = [[jnp.zeros(q.shape, jnp.float32) for q in part_qs] for part_qs in qs]
   dqs = jax.lax.fori_loop(0, idx_ref.shape[0] // block_k, step, init)
-  for dq_ref, dq in zip(dq_refs, dqs):
-    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+  for h, part_dqs in zip(slices, dqs):
+    for dq_ref, dq in zip(dq_refs, part_dqs):
+      dq_ref[h, :] = (dq * scale).astype(dq_ref.dtype)
 
 
 def _backward_call(lay: _Layout, config: Config, rows, keys, grad_dims, *, deterministic, **kernel_args):
@@ -447,7 +480,7 @@ def _backward_call(lay: _Layout, config: Config, rows, keys, grad_dims, *, deter
     grad_specs = [lay.group_keys(d) for d in grad_dims]
   outs = pl.pallas_call(
       functools.partial(_backward_kernel, n_parts=n, num_keys=lay.S, block_k=lay.block_k, interpret=lay.interpret,
-                        deterministic=deterministic, **kernel_args),
+                        deterministic=deterministic, head_slices=lay.head_slices(config), **kernel_args),
       out_shape=[jax.ShapeDtypeStruct((lay.B, lay.T, lay.H_pad, d), rows[0].dtype) for d in lay.parts] + grads,
       grid=lay.grid,
       in_specs=in_specs + grad_specs[: len(accumulators)],
@@ -483,8 +516,8 @@ def sparse_attention_backward_pallas(residuals, cotangents, *, scale, determinis
   dout, dlse = cotangents
   value_is_prefix = v is None
   v, Dv = _values(k, v, out.shape[-1])
-  config, interpret = _resolve(config, Config.backward_heuristics(q.shape[-1], Dv, jnp.dtype(k.dtype).itemsize),
-                               interpret)
+  default = Config.backward_heuristics(q.shape[-1], Dv, jnp.dtype(k.dtype).itemsize, q.shape[2] // k.shape[2])
+  config, interpret = _resolve(config, default, interpret)
   lay = _Layout.make(q, k, Dv, indices, config, interpret)
   # delta_t,h = <dout, out> - dlse: the softmax Jacobian's row term, with lse's own cotangent folded in.
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
