@@ -72,10 +72,14 @@ def test_deterministic_attention_adds_its_slabs_up_to_the_kernel_budget():
   det = dataclasses.replace(_GLM_FULL, sparse_attention_deterministic=True)
   assert est(_GLM_FULL, 1 << 14)["deterministic attention slabs"] == 0
   assert est(det, 1 << 14)["deterministic attention slabs"] == 1 << 30  # capped: the kernel runs query chunks
-  # Under the cap: every selected key's f32 row of width Dk, once per 32-head block.
+  # Under the cap: every selected key's f32 row of width Dk, once per head block of the backward
+  # kernel: bf16 MLA runs all 64 heads in one program, f32 in blocks of 32.
   _, _, key_width = memory._attention_dims(det)
-  slabs = 64 * det.index_topk * key_width * 4 * -(-det.n_heads // 32)
-  assert est(det, 64)["deterministic attention slabs"] == slabs < 1 << 30
+  for dtype, head_blocks in (("bfloat16", 1), ("float32", 2)):
+    cfg = dataclasses.replace(det, dtype=dtype)
+    assert cfg.n_heads == 64
+    slabs = 64 * det.index_topk * key_width * 4 * head_blocks
+    assert est(cfg, 64)["deterministic attention slabs"] == slabs < 1 << 30
 
 
 def test_selection_replay_saves_the_selection_of_indexer_layers_only():
