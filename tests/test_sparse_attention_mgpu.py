@@ -64,7 +64,7 @@ def test_declines_what_v1_lacks(change):
 
 def test_config_heuristics_fit_shared_memory():
   assert Config.heuristics(576, 2) == Config(block_k=64, num_stages=2)
-  assert Config.heuristics(512, 2).num_stages == 2
+  assert Config.heuristics(512, 2).num_stages == 2 and Config.heuristics(256, 2).num_stages == 4
   for bad in (dict(block_k=32), dict(gather_signal="tma"), dict(gathers_in_flight=3), dict(num_stages=1)):
     with pytest.raises(ValueError):
       Config(**bad)
@@ -131,6 +131,7 @@ _VARIANTS = {"default": None, "old": _OLD, "mbarrier": Config(zero_fill=False, t
     (1, 130, 130, 64, 700, "default", 576, True),
     (2, 70, 300, 64, 200, "default", 512, True),  # DeepSeek-V4: K = V (Dk = Dv = 512), sinks
     (1, 40, 90, 64, 300, "3 stages", 256, False),
+    (1, 40, 90, 64, 300, "default", 256, False),  # the heuristics' 4 stages at Dk 256
 ])
 def test_matches_reference(B, T, S, H, K, variant, Dk, sinks):
   q, k, idx = _causal_inputs(B, T, S, H, K, Dk)

@@ -70,7 +70,7 @@ class Config:
 
   `forward` picks the forward kernel: "auto" runs the Mosaic GPU kernel (`mgpu_forward.py`) on a
   Hopper GPU where it applies (one key head, values from the key rows, 64-head blocks;
-  2.7x this file's kernel at MLA dims, 16K) and this file's Triton kernel elsewhere; "triton" always
+  3.2x this file's kernel at MLA dims, 16K) and this file's Triton kernel elsewhere; "triton" always
   runs this file's; "mosaic" raises NotImplementedError where the Mosaic GPU kernel does not apply.
   """
 
