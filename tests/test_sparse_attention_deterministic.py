@@ -15,10 +15,12 @@ from pallas_kernels.sparse_attention import Config, sparse_attention_backward_pa
 from pallas_kernels.sparse_attention.key_major import key_major_sum, transposed_selection
 
 try:
+  from tests.attention_shapes import MLA_DK, mla_backward_inputs
   from tests.jaxpr_tools import equations, export_for_h200
   from tests.oracles import sparse_attention_grads_oracle
   from tests.test_sparse_attention_pallas import _CASES, _VALUE_FROM_KEY_CASES, _inputs
 except ImportError:  # tests/ itself is on sys.path
+  from attention_shapes import MLA_DK, mla_backward_inputs
   from jaxpr_tools import equations, export_for_h200
   from oracles import sparse_attention_grads_oracle
   from test_sparse_attention_pallas import _CASES, _VALUE_FROM_KEY_CASES, _inputs
@@ -208,14 +210,11 @@ def test_deterministic_must_be_a_bool():
 def test_both_passes_lower_for_the_h200_at_the_mla_shape():
   """Absorbed MLA (H 64, Dk 576 = 512 + 64, v = the 512 prefix, k 2048) at T = 64, compiled for the
   GPU: both kernels lower to Triton IR for an abstract H200, and no atomic add is left."""
-  T, H, Dk, Dv, K = 64, 64, 576, 512, 2048
-  f = jax.ShapeDtypeStruct
-  q, k, idx = f((1, T, H, Dk), jnp.bfloat16), f((1, T, 1, Dk), jnp.bfloat16), f((1, T, K), jnp.int32)
-  out, lse = f((1, T, H, Dv), jnp.bfloat16), f((1, T, H), jnp.float32)
+  q, k, idx, out, lse = mla_backward_inputs(64)
 
   def backward(q, k, idx, out, lse):
     return sparse_attention_backward_pallas((q, k, None, idx, None, out, lse), (out, jnp.zeros_like(lse)),
-                                            scale=Dk**-0.5, deterministic=True, interpret=False)
+                                            scale=MLA_DK**-0.5, deterministic=True, interpret=False)
 
   assert not any(e.primitive.name == "hyscale_relaxed_atomic_add"
                  for e in equations(jax.make_jaxpr(backward)(q, k, idx, out, lse)))

@@ -14,9 +14,11 @@ from pallas_kernels.sparse_attention import (
 )
 
 try:
+  from tests.attention_shapes import MLA_DK, mla_backward_inputs
   from tests.jaxpr_tools import equations, export_for_h200
   from tests.oracles import sparse_attention_grads_oracle, sparse_attention_oracle
 except ImportError:
+  from attention_shapes import MLA_DK, mla_backward_inputs
   from jaxpr_tools import equations, export_for_h200
   from oracles import sparse_attention_grads_oracle, sparse_attention_oracle
 
@@ -127,14 +129,12 @@ def test_backward_runs_64_sliced_heads_per_program_at_the_mla_shape_and_lowers_f
   assert Config.backward_heuristics(512, 512, 2, 128).slice_h == 32  # DeepSeek-V4 dims; MLA with 128 heads
   for args in ((576, 512, 4, 64), (256, 256, 2, 12), (0, 0, 0)):
     assert Config.backward_heuristics(*args) == Config(block_h=32, block_k=16, num_warps=4, num_stages=1)
-  T, H, Dk, Dv, K = 8, 64, 576, 512, 2048
-  f = jax.ShapeDtypeStruct
-  q, k, idx = f((1, T, H, Dk), jnp.bfloat16), f((1, T, 1, Dk), jnp.bfloat16), f((1, T, K), jnp.int32)
-  out, lse = f((1, T, H, Dv), jnp.bfloat16), f((1, T, H), jnp.float32)
+  T = 8
+  q, k, idx, out, lse = mla_backward_inputs(T)
 
   def backward(q, k, idx, out, lse):
     return sparse_attention_backward_pallas((q, k, None, idx, None, out, lse), (out, jnp.zeros_like(lse)),
-                                            scale=Dk**-0.5, interpret=False)[:2]
+                                            scale=MLA_DK**-0.5, interpret=False)[:2]
 
   eqns = list(equations(jax.make_jaxpr(backward)(q, k, idx, out, lse)))
   [call] = [e for e in eqns if e.primitive.name == "pallas_call"]
