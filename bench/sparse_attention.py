@@ -145,7 +145,8 @@ def variants(shape: Shape, scale, fwd_config=None, bwd_config=None, det_chunk_mi
   def bwd_p(q, k, v, idx, sinks, dout, out, lse, deterministic=False):
     config = bwd_config
     if deterministic:
-      default = Config.backward_heuristics(shape.Dk, shape.Dv, q.dtype.itemsize, shape.H // shape.G)
+      default = Config.backward_heuristics(shape.Dk, shape.Dv, q.dtype.itemsize, shape.H // shape.G,
+                                           value_from_key=fused)
       config = dataclasses.replace(bwd_config or default, chunk_bytes=det_chunk_mib << 20)
     return sparse_attention_backward_pallas((q, k, None if fused else v, idx, sinks, out, lse),
                                             (dout, jnp.zeros_like(lse)), scale=scale, deterministic=deterministic,

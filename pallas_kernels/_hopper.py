@@ -17,6 +17,7 @@ def require_hopper(what: str) -> None:
 
 
 def on_hopper() -> bool:
+  """Whether JAX's default device is a Hopper GPU (sm_90)."""
   try:
     require_hopper("")
   except NotImplementedError:

@@ -50,13 +50,15 @@ def test_lowers_for_h200(B, T, H, K, config, sinks, Dk, monkeypatch):
   assert exported.out_avals[1].dtype == jnp.float32
 
 
-@pytest.mark.parametrize("change", ["values", "heads", "groups", "f32"])
+@pytest.mark.parametrize("change", ["values", "heads", "groups", "f32", "wide_keys"])
 def test_declines_what_v1_lacks(change):
-  """NotImplementedError (the caller's cue to fall back), before anything is traced for the GPU."""
+  """NotImplementedError (the caller's cue to fall back), before anything is traced for the GPU. Keys
+  wider than 576 leave shared memory one gathered stage, which Mosaic would refuse at compile time."""
   H, G, dtype = (48 if change == "heads" else 64), (2 if change == "groups" else 1), jnp.bfloat16
   dtype = jnp.float32 if change == "f32" else dtype
-  q = jnp.zeros((1, 2, H, 576), dtype)
-  k = jnp.zeros((1, 8, G, 576), dtype)
+  Dk = 640 if change == "wide_keys" else 576
+  q = jnp.zeros((1, 2, H, Dk), dtype)
+  k = jnp.zeros((1, 8, G, Dk), dtype)
   v = jnp.zeros((1, 8, G, 512), dtype) if change == "values" else None
   with pytest.raises(NotImplementedError):
     sparse_attention_forward_mgpu(q, k, v, jnp.zeros((1, 2, 64), jnp.int32), scale=0.1, value_dim=512)
@@ -150,13 +152,13 @@ def test_matches_reference(B, T, S, H, K, variant, Dk, sinks):
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_r, np.float32), atol=3e-2)
 
 
-def _lowered_kernels(config, sinks, monkeypatch, heads=64):
+def _lowered_kernels(config, sinks, monkeypatch, heads=64, value_dim=512):
   """The custom calls of the `pallas` forward compiled for a (faked) H200 at MLA dims."""
   monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
   monkeypatch.setattr(triton_forward, "require_hopper", lambda what: None)
   args = [jax.ShapeDtypeStruct((1, 3, heads, 576), jnp.bfloat16), jax.ShapeDtypeStruct((1, 40, 1, 576), jnp.bfloat16),
           jax.ShapeDtypeStruct((1, 3, 64), jnp.int32)]
-  fwd = functools.partial(triton_forward.sparse_attention_forward_pallas, scale=0.04, value_dim=512, config=config,
+  fwd = functools.partial(triton_forward.sparse_attention_forward_pallas, scale=0.04, value_dim=value_dim, config=config,
                           sinks=sinks, interpret=False)
   checks = _MOSAIC + [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
   h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")  # what Triton's lowering reads
@@ -185,3 +187,15 @@ def test_pallas_forward_mosaic_request_raises_where_it_does_not_apply(monkeypatc
     _lowered_kernels(triton_forward.Config(forward="mosaic"), None, monkeypatch, heads=32)
   with pytest.raises(ValueError, match="Config.forward"):
     triton_forward.Config(forward="cuda")
+  q, k, idx = jnp.zeros((1, 2, 64, 576), jnp.bfloat16), jnp.zeros((1, 8, 1, 576), jnp.bfloat16), jnp.zeros((1, 2, 64), jnp.int32)
+  with pytest.raises(NotImplementedError, match="interpret"):
+    triton_forward.sparse_attention_forward_pallas(q, k, None, idx, scale=0.1, value_dim=512, interpret=True,
+                                                   config=triton_forward.Config(forward="mosaic"))
+
+
+def test_pallas_forward_keeps_the_mosaic_kernel_to_what_the_triton_backward_takes(monkeypatch):
+  """Dv 384 (a multiple of 128, not a power of two) would run forward on Mosaic GPU but has no
+  backward: the pallas forward declines it as the Triton kernel always did, so "auto" falls back."""
+  for forward in ("auto", "mosaic"):
+    with pytest.raises(NotImplementedError, match="power"):
+      _lowered_kernels(triton_forward.Config(forward=forward), None, monkeypatch, value_dim=384)

@@ -124,11 +124,14 @@ def test_backward_runs_64_sliced_heads_per_program_at_the_mla_shape_and_lowers_f
   """bf16 absorbed MLA (64 heads of 576, v = the 512 prefix, k 2048): one program per token holds all
   64 heads (in slices of 32), and the kernel lowers to Triton IR for an abstract H200 with its relaxed
   atomic adds. f32 (64 heads of it overflow shared memory) and QSA's 12 heads per group keep 32."""
-  assert Config.backward_heuristics(576, 512, 2, 64) == Config(block_h=64, block_k=32, num_warps=8, num_stages=1,
-                                                               slice_h=32)
-  assert Config.backward_heuristics(512, 512, 2, 128).slice_h == 32  # DeepSeek-V4 dims; MLA with 128 heads
-  for args in ((576, 512, 4, 64), (256, 256, 2, 12), (0, 0, 0)):
-    assert Config.backward_heuristics(*args) == Config(block_h=32, block_k=16, num_warps=4, num_stages=1)
+  sliced = Config(block_h=64, block_k=32, num_warps=8, num_stages=1, slice_h=32)
+  assert Config.backward_heuristics(576, 512, 2, 64, value_from_key=True) == sliced
+  assert Config.backward_heuristics(512, 512, 2, 128, value_from_key=True) == sliced  # V4 dims; MLA with 128 heads
+  # f32, QSA's 12 heads per group, and explicit value rows (a second gathered tile) keep 32-head blocks.
+  for args, from_key in (((576, 512, 4, 64), True), ((256, 256, 2, 12), True), ((576, 512, 2, 64), False),
+                         ((0, 0, 0), False)):
+    assert Config.backward_heuristics(*args, value_from_key=from_key) == Config(block_h=32, block_k=16, num_warps=4,
+                                                                                num_stages=1)
   T = 8
   q, k, idx, out, lse = mla_backward_inputs(T)
 

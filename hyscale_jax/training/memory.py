@@ -44,7 +44,6 @@ import jax.numpy as jnp
 from hyscale_jax.layers.lm_head import chunk_layout
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.sharding import BATCH_AXES
-from pallas_kernels._hopper import on_hopper
 
 # One layer's intermediates alive at once in its backward pass (1 = the forward's set), by remat policy.
 # Under "full" the backward reruns the whole layer (selection included) and holds those intermediates
@@ -243,13 +242,16 @@ def _deterministic_slabs(cfg: ModelConfig, rows: float, key_width: int) -> float
 
   heads_per_group = cfg.n_heads // cfg.n_kv_heads if cfg.architecture == "qwen4_exp" else cfg.n_heads
   _, out_width, _ = _attention_dims(cfg)
-  block_h = Config.backward_heuristics(key_width, out_width, jnp.dtype(cfg.dtype).itemsize, heads_per_group).block_h
+  block_h = Config.backward_heuristics(key_width, out_width, jnp.dtype(cfg.dtype).itemsize, heads_per_group,
+                                       value_from_key=cfg.architecture != "qwen4_exp").block_h
   head_blocks = max(1, math.ceil(heads_per_group / block_h))  # QSA: key_width already spans its groups
   return min(float(Config().chunk_bytes), rows * cfg.index_topk * key_width * 4 * head_blocks)
 
 
 def grouped_matmul_kernel_applies(cfg: ModelConfig) -> bool:
   """Whether `ops.grouped_matmul` runs its Hopper kernel here ("auto" on an sm_90 GPU, bf16/f16), not ragged_dot."""
+  from pallas_kernels._hopper import on_hopper  # noqa: PLC0415 - the estimate itself needs no kernel package
+
   return jnp.dtype(cfg.dtype).itemsize == 2 and on_hopper()
 
 

@@ -13,8 +13,9 @@ key visible to a query block are not computed. The scores are the kernel's own f
 (products in f32, head sum in f32, then `scale` or each key's `key_scale`, -0 folded to +0, NaN
 ranked as -inf), which on integer-valued inputs is bit-identical to the reference.
 
-fp8 (float8_e4m3fn) q and k go to the dot as they are, with f32 accumulation: on Hopper that is the
-fp8 WGMMA, twice the bf16 rate. Their scales never touch the [rows, keys] tile before the head sum:
+fp8 (float8_e4m3fn) q and k go to the dot as they are, with f32 accumulation (the Triton IR's dot
+takes e4m3 operands; whether Triton picks the fp8 WGMMA was not checked, and at 16K on the H200 the
+fp8 path was slower than bf16: 15.2 against 12.5 ms, bench/NOTES.md). Their scales never touch the [rows, keys] tile before the head sum:
 the caller folds q's row scales into the head weights, and k's scales (times `scale`) come in as
 `key_scale`, one multiply per (query, key) after the head sum, as DeepSeek-V3.2's `fp8_index` does.
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +92,7 @@ class Config:
   num_stages: int = 2
   consumer_registers: int = 232
   producer_registers: int = 40
-  gather_signal: str = "mbarrier"  # measured in the module docstring
+  gather_signal: Literal["mbarrier", "wait_group"] = "mbarrier"  # measured in the module docstring
   gathers_in_flight: int = 1  # 2 measured slower: 12.30 against 10.70 ms at T=16K (bench/probe_sparse_mla_mgpu.py)
   zero_fill: bool = True
   trim_steps: bool = True
@@ -110,8 +111,12 @@ class Config:
   def heuristics(cls, Dk: int, itemsize: int) -> "Config":
     """64 keys a step, and as many stages as shared memory holds beside Q (two at MLA dims)."""
     block_k = 64
-    stages = (_SMEM_BYTES - 8 * 1024 - _HEADS * Dk * itemsize) // (block_k * Dk * itemsize)
-    return cls(block_k=block_k, num_stages=max(2, min(stages, 4)))
+    return cls(block_k=block_k, num_stages=max(2, min(_stages_that_fit(Dk, itemsize, block_k), 4)))
+
+
+def _stages_that_fit(Dk: int, itemsize: int, block_k: int) -> int:
+  """Gathered [block_k, Dk] tiles that fit in shared memory beside Q [64, Dk] and 8 KiB of the rest."""
+  return (_SMEM_BYTES - 8 * 1024 - _HEADS * Dk * itemsize) // (block_k * Dk * itemsize)
 
 
 def _transforms(minor: int, dtype):
@@ -493,7 +498,8 @@ def sparse_attention_forward_mgpu(q, k, v, indices, *, scale, sinks=None, value_
   """Forward pass on Hopper: (out in q.dtype [B, T, H, Dv], lse f32 [B, T, H]).
 
   Args:
-    q: bf16|f16 [B, T, H, Dk], H a multiple of 64, Dk a multiple of 64.
+    q: bf16|f16 [B, T, H, Dk], H a multiple of 64, Dk a multiple of 64 and at most 576 (two gathered
+      stages must fit in shared memory beside Q).
     k: [B, S, 1, Dk], the one key head all query heads share.
     v: must be None: the values are `k[..., :value_dim]` (value_dim a multiple of 128, <= 512).
     indices: int [B, T, K] into S; entries outside [0, S) (-1) are skipped.
@@ -515,6 +521,10 @@ def sparse_attention_forward_mgpu(q, k, v, indices, *, scale, sinks=None, value_
   if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
     raise NotImplementedError(f"the Mosaic GPU forward takes bf16/f16 q and k, got {q.dtype}, {k.dtype}")
   config = config or Config.heuristics(Dk, jnp.dtype(q.dtype).itemsize)
+  fit = _stages_that_fit(Dk, jnp.dtype(q.dtype).itemsize, config.block_k)
+  if config.num_stages > fit:  # Dk > 576 leaves room for one tile: Mosaic would fail to compile, not decline
+    raise NotImplementedError(f"the Mosaic GPU forward fits {fit} gathered stages of Dk={Dk} in shared memory, "
+                              f"fewer than Config.num_stages={config.num_stages} (>= 2)")
   K = indices.shape[2]
   K_pad = -(-K // config.block_k) * config.block_k
   indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, K_pad - K)), constant_values=-1)
@@ -536,5 +546,5 @@ def sparse_attention_forward_mgpu(q, k, v, indices, *, scale, sinks=None, value_
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),  # row sums stay in a warp
-      kernel_name="hyscale_sparse_attention_fwd_mgpu",
+      kernel_name="hyscale_sparse_attention_fwd",
   )(*operands)

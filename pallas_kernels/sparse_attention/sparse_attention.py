@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Literal
 import operator
 
 import jax
@@ -50,7 +51,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._hopper import require_hopper
 from pallas_kernels._relaxed_atomics import scatter_add_rows
-from pallas_kernels.sparse_attention import key_major, mgpu_forward
+from pallas_kernels.sparse_attention import key_major
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _NEG = -1e30  # a finite "minus infinity" for the running max, so empty prefixes never give inf - inf
@@ -80,7 +81,7 @@ class Config:
   num_stages: int = 2
   key_block: int = 16
   chunk_bytes: int = 1 << 30
-  forward: str = "auto"
+  forward: Literal["auto", "triton", "mosaic"] = "auto"
   slice_h: int = 0
 
   @classmethod
@@ -98,13 +99,16 @@ class Config:
     return dataclasses.replace(cls.heuristics(Dk, 0, itemsize), num_warps=4)
 
   @classmethod
-  def backward_heuristics(cls, Dk: int, Dv: int, itemsize: int, heads_per_group: int = 0) -> "Config":
-    """16-bit inputs with >= 64 heads per KV group (absorbed MLA, DeepSeek-V4; Dk <= 576, Dv <= 512):
-    64 heads per program in slices of 32, 32 keys per step, 8 warps, 1 stage, which halves the
-    atomic adds of 32 heads (at MLA dims on the H200, 16K: 133.91 against 142.98 ms; 64K: 566.29
-    against 660.59; V4 16K: 33.41 against 38.52; bench/NOTES.md). Else (f32, whose 64 heads overflow
-    shared memory; QSA's 12 heads per group) the earlier best: 32 heads, 16 keys, 4 warps."""
-    if itemsize == 2 and heads_per_group >= 64 and Dk <= 576 and Dv <= 512:
+  def backward_heuristics(cls, Dk: int, Dv: int, itemsize: int, heads_per_group: int = 0, *,
+                          value_from_key: bool = False) -> "Config":
+    """16-bit inputs with >= 64 heads per KV group whose values are the key rows' prefix (absorbed MLA,
+    DeepSeek-V4; Dk <= 576, Dv <= 512): 64 heads per program in slices of 32, 32 keys per step, 8
+    warps, 1 stage, which halves the atomic adds of 32 heads (at MLA dims on the H200, 16K: 133.91
+    against 142.98 ms; 64K: 566.29 against 660.59; V4 16K: 33.41 against 38.52; bench/NOTES.md).
+    Else (f32, whose 64 heads overflow shared memory; QSA's 12 heads per group; explicit value rows,
+    a second gathered tile that was never measured at 64 heads) the earlier best: 32 heads, 16 keys,
+    4 warps."""
+    if itemsize == 2 and value_from_key and heads_per_group >= 64 and Dk <= 576 and Dv <= 512:
       return cls(block_h=64, block_k=32, num_warps=8, num_stages=1, slice_h=32)
     return cls(block_h=32, block_k=16, num_warps=4, num_stages=1)
 
@@ -332,6 +336,16 @@ def _values(k, v, value_dim):
   return k[..., :Dv], Dv  # another prefix width: an explicit (sliced) value array
 
 
+def _check_mosaic_forward(k, v, value_dim):
+  """Raises NotImplementedError unless the Mosaic GPU forward may run: a Hopper GPU, and a value dim the
+  Triton backward (which reads its lse) takes, a power of two; the kernel itself declines the rest."""
+  require_hopper("sparse_attention's Mosaic GPU forward")
+  Dv = v.shape[-1] if v is not None else (value_dim or k.shape[-1])
+  if Dv & (Dv - 1):
+    raise NotImplementedError(f"sparse_attention's Mosaic GPU forward: Dv={Dv} is not a power of two, which "
+                              f"the Triton backward needs")
+
+
 def sparse_attention_forward_pallas(q, k, v, indices, *, scale, sinks=None, value_dim: int | None = None,
                                     config: Config | None = None, interpret: bool | None = None):
   """Forward pass: (out in q.dtype [B, T, H, Dv], lse f32[B, T, H]); see the module docstring.
@@ -345,13 +359,18 @@ def sparse_attention_forward_pallas(q, k, v, indices, *, scale, sinks=None, valu
       under 16; "auto" then uses the reference backend.
   """
   config, interpret = _resolve(config, None, interpret)
-  if not interpret and (config is None or config.forward != "triton"):
+  forward = "auto" if config is None else config.forward
+  if forward == "mosaic" and interpret:
+    raise NotImplementedError("Config.forward='mosaic': the Mosaic GPU forward has no interpret mode")
+  if not interpret and forward != "triton":
     try:
-      require_hopper("sparse_attention's Mosaic GPU forward")
+      _check_mosaic_forward(k, v, value_dim)
+      from pallas_kernels.sparse_attention import mgpu_forward  # noqa: PLC0415 - Mosaic GPU only where it runs
+
       return mgpu_forward.sparse_attention_forward_mgpu(q, k, v, indices, scale=scale, sinks=sinks,
                                                         value_dim=value_dim)
     except NotImplementedError:
-      if config is not None and config.forward == "mosaic":
+      if forward == "mosaic":
         raise
   v, Dv = _values(k, v, value_dim)
   config = config or Config.heuristics(q.shape[-1], Dv, jnp.dtype(k.dtype).itemsize)
@@ -516,7 +535,8 @@ def sparse_attention_backward_pallas(residuals, cotangents, *, scale, determinis
   dout, dlse = cotangents
   value_is_prefix = v is None
   v, Dv = _values(k, v, out.shape[-1])
-  default = Config.backward_heuristics(q.shape[-1], Dv, jnp.dtype(k.dtype).itemsize, q.shape[2] // k.shape[2])
+  default = Config.backward_heuristics(q.shape[-1], Dv, jnp.dtype(k.dtype).itemsize, q.shape[2] // k.shape[2],
+                                       value_from_key=v is None)
   config, interpret = _resolve(config, default, interpret)
   lay = _Layout.make(q, k, Dv, indices, config, interpret)
   # delta_t,h = <dout, out> - dlse: the softmax Jacobian's row term, with lse's own cotangent folded in.
