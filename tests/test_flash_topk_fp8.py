@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
+from hyscale_jax import parallel
 from hyscale_jax.ops import flash_topk
 from hyscale_jax.ops.flash_topk import flash_topk_reference, quantize_fp8
 from hyscale_jax.ops.flash_topk.pallas import flash_topk_pallas, flash_topk_pallas_with_stats
@@ -237,6 +238,22 @@ def test_context_mesh_splits_fp8_rows_bit_identically():
   np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(want.scores))
   o_idx, _ = topk_oracle(*_dequantized(q, k, w, q_scale, k_scale), topk=topk)
   np.testing.assert_array_equal(np.asarray(want.indices), o_idx)
+
+
+@pytest.mark.parametrize("layout", parallel.LAYOUTS)
+def test_explicit_context_parallel_call_takes_the_fp8_scales(layout):
+  """`parallel.context_parallel_flash_topk` in zigzag and contiguous order: the same bits as one device."""
+  rng = np.random.default_rng(5)
+  n, B, T, H, D, topk = 4, 1, 32, 2, 8, 5
+  q, k, w = _ints(rng, (B, T, H, D), -2, 2), _ints(rng, (B, T, D), -2, 2), _ints(rng, (B, T, H), -2, 2, jnp.float32)
+  q_scale, k_scale = _pow2(rng, (B, T, H)), _pow2(rng, (B, T))
+  want = flash_topk(q, k, w, q_scale=q_scale, k_scale=k_scale, topk=topk)
+  lay = lambda x: parallel.to_layout(x, n, layout)
+  mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,))
+  got = parallel.context_parallel_flash_topk(lay(q), lay(k), lay(w), mesh=mesh, topk=topk, layout=layout,
+                                             q_scale=lay(q_scale), k_scale=lay(k_scale))
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(parallel.from_layout(a, n, layout)), np.asarray(b))
 
 
 def test_quantize_fp8_rows():

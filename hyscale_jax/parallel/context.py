@@ -74,15 +74,16 @@ def causal_work(T: int, n: int, layout: str, compress_ratio: int = 1) -> np.ndar
 
 def context_parallel_flash_topk(q, k, weights=None, *, mesh, topk, layout: str = "contiguous",
                                 compress_ratio: int = 1, segment_ids=None, scale: float = 1.0,
-                                backend: str = "auto"):
+                                backend: str = "auto", q_scale=None, k_scale=None):
   """`ops.flash_topk` with the sequence split over `mesh`'s `context` axis; bit-identical results.
 
   With the contiguous layout this is what `ops.flash_topk` does by itself under
   `jax.set_mesh(mesh)`; this function takes the mesh explicitly and can be called inside `jax.jit`.
 
   Args:
-    q, k, weights, segment_ids: as in `ops.flash_topk`, in `layout` order along the sequence (see
-      `to_layout`); query positions and key indices are those of the natural order.
+    q, k, weights, segment_ids, q_scale, k_scale: as in `ops.flash_topk` (the scales with fp8 q and
+      k), in `layout` order along the sequence (see `to_layout`); query positions and key indices
+      are those of the natural order.
     mesh: a mesh with a `context` axis (and optionally `data`/`fsdp` for the batch).
     topk, compress_ratio, scale, backend: as in `ops.flash_topk`.
     layout: "contiguous" or "zigzag" (causally balanced).
@@ -96,19 +97,19 @@ def context_parallel_flash_topk(q, k, weights=None, *, mesh, topk, layout: str =
 
   def per_shard(row_offset, local, full, replicated):
     del replicated
-    (q, w, q_seg), (k, kv_seg) = local, full
-    k = from_layout(k, n, layout)
-    kv_seg = None if kv_seg is None else from_layout(kv_seg, n, layout)
+    (q, w, q_seg, q_sc), (k, kv_seg, k_sc) = local, full
+    k, kv_seg, k_sc = (None if x is None else from_layout(x, n, layout) for x in (k, kv_seg, k_sc))
     parts = []
     for start, position, rows in _local_rows(q.shape[1], n, layout, row_offset):
       sl = lambda x: None if x is None else jax.lax.slice_in_dim(x, start, start + rows, axis=1)
       parts.append(ops.flash_topk(
           sl(q), k, sl(w), topk=topk, compress_ratio=compress_ratio, q_offset=position,
-          segment_ids=None if q_seg is None else (sl(q_seg), kv_seg), scale=scale, backend=backend))
+          segment_ids=None if q_seg is None else (sl(q_seg), kv_seg), scale=scale, q_scale=sl(q_sc),
+          k_scale=k_sc, backend=backend))
     return tuple(jnp.concatenate(x, axis=1) for x in zip(*parts))
 
   return ops.TopK(*_context.run_sequence_sharded(
-      per_shard, mesh, sharded=(q, weights, q_seg), gathered=(k, kv_seg), n_out=2))
+      per_shard, mesh, sharded=(q, weights, q_seg, q_scale), gathered=(k, kv_seg, k_scale), n_out=2))
 
 
 def context_parallel_sparse_attention(q, k, v, indices, *, mesh, scale: float, sinks=None,
