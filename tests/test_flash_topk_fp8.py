@@ -135,7 +135,13 @@ def _assert_matches_oracle_exactly(q, k, w, q_scale, k_scale, kw, oracle_kw=None
   return o_idx, o_sc, rescued
 
 
-@pytest.mark.parametrize("case", list(_INT_CASES))
+# CI time: these repeat what the other cases and the bf16 suite cover (no scales, one longer chunked
+# row set, q scales alone, k = Tk); `pytest -m slow` runs them.
+_SLOW_INT_CASES = {"no_scales", "longer_multi_chunk_d16", "only_q_scale_no_weights", "k_equals_tk"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in _SLOW_INT_CASES else c
+                                  for c in _INT_CASES])
 def test_integer_fp8_inputs_bit_exact(case):
   rng = np.random.default_rng(zlib.crc32(case.encode()))
   q, k, w, q_scale, k_scale, kw = _int_inputs(rng, _INT_CASES[case])
@@ -171,7 +177,7 @@ def test_ties_made_by_key_scales():
   assert len(set(value[0, want])) == 2  # both raw dots among the winners
 
 
-@pytest.mark.parametrize("fully_masked", [False, True])
+@pytest.mark.parametrize("fully_masked", [pytest.param(False, marks=pytest.mark.slow), True])  # True packs too
 def test_integer_fp8_packed_segments_and_masked_rows(fully_masked):
   rng = np.random.default_rng(17 + fully_masked)
   B, T, H, D, topk = 2, 37, 2, 8, 6
@@ -191,7 +197,8 @@ def test_integer_fp8_packed_segments_and_masked_rows(fully_masked):
     assert (o_idx[1] == -1).all() and (o_idx[0, start] == -1).all() and (o_idx[0] >= 0).any()
 
 
-@pytest.mark.parametrize("power_of_two, use_weights, q_offset", [(False, True, 0), (True, False, 9)])
+@pytest.mark.parametrize("power_of_two, use_weights, q_offset",
+                         [pytest.param(False, True, 0, marks=pytest.mark.slow), (True, False, 9)])
 def test_random_fp8_inputs_near_exact(power_of_two, use_weights, q_offset):
   rng = np.random.default_rng(11)
   B, Tq, Tk, H, D, topk = 2, 37, 46, 3, 32, 7
