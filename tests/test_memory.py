@@ -80,6 +80,14 @@ def test_deterministic_attention_adds_its_slabs_up_to_the_kernel_budget():
     assert cfg.n_heads == 64
     slabs = 64 * det.index_topk * key_width * 4 * head_blocks
     assert est(cfg, 64)["deterministic attention slabs"] == slabs < 1 << 30
+  # DeepSeek-V4 attends its window beside the selected entries: both have slab rows.
+  from configs import deepseek_v4_flash  # noqa: PLC0415
+
+  v4 = dataclasses.replace(ModelConfig.from_config(deepseek_v4_flash.get_config("full").model),
+                           sparse_attention_deterministic=True, dtype="bfloat16")  # one 64-head block
+  selected, _, key_width = memory._attention_dims(v4)
+  assert selected == v4.sliding_window + v4.index_topk
+  assert est(v4, 64)["deterministic attention slabs"] == 64 * selected * key_width * 4 * 1 < 1 << 30
 
 
 def test_selection_replay_saves_the_selection_of_indexer_layers_only():

@@ -231,8 +231,8 @@ def _indexer_grads(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def _deterministic_slabs(cfg: ModelConfig, rows: float, key_width: int) -> float:
-  """The f32 slabs of `model.sparse_attention_deterministic`'s backward: every selected key's gradient
-  row per head block (the backward kernel's `block_h` for this family's heads per key group), over
+  """The f32 slabs of `model.sparse_attention_deterministic`'s backward: every selected entry's gradient
+  row (the family's keys per query, `_attention_dims`) per head block (the backward kernel's `block_h` for this family's heads per key group), over
   query chunks capped at the kernel's `Config.chunk_bytes`. At MLA 16K on the H200 the deterministic
   backward's temporaries were 2.48 GB against the atomic 1.39 GB with 32-head blocks
   (bench/results/sparse_attention_deterministic.json), the 1 GiB cap plus its sort."""
@@ -241,11 +241,11 @@ def _deterministic_slabs(cfg: ModelConfig, rows: float, key_width: int) -> float
   from pallas_kernels.sparse_attention import Config  # noqa: PLC0415 - its default budget is the cap
 
   heads_per_group = cfg.n_heads // cfg.n_kv_heads if cfg.architecture == "qwen4_exp" else cfg.n_heads
-  _, out_width, _ = _attention_dims(cfg)
+  selected, out_width, _ = _attention_dims(cfg)  # V4: window + top-k; QSA: its blocks' tokens
   block_h = Config.backward_heuristics(key_width, out_width, jnp.dtype(cfg.dtype).itemsize, heads_per_group,
                                        value_from_key=cfg.architecture != "qwen4_exp").block_h
   head_blocks = max(1, math.ceil(heads_per_group / block_h))  # QSA: key_width already spans its groups
-  return min(float(Config().chunk_bytes), rows * cfg.index_topk * key_width * 4 * head_blocks)
+  return min(float(Config().chunk_bytes), rows * selected * key_width * 4 * head_blocks)
 
 
 def grouped_matmul_kernel_applies(cfg: ModelConfig) -> bool:
