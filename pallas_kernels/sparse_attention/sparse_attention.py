@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
 import operator
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -263,14 +263,14 @@ def _resolve(config, default, interpret):
   return config or default, interpret
 
 
+def _matmul(a, b, contract, precision):
+  """f32 `dot_general(a, b)` contracting `contract` = (a's axes, b's axes), no batch axes."""
+  return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32, precision=precision)
+
+
 def _logits(qs, ks, precision):
   """f32 [block_h, block_k]: sum over head-dim parts of q_i @ k_i^T."""
-  s = None
-  for q, k in zip(qs, ks):
-    part = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                               precision=precision)
-    s = part if s is None else s + part
-  return s
+  return functools.reduce(operator.add, [_matmul(q, k, ((1,), (1,)), precision) for q, k in zip(qs, ks)])
 
 
 def _selected(idx_ref, j, block_k, num_keys):
@@ -306,8 +306,7 @@ def _forward_kernel(*refs, n_parts, scale, num_keys, block_k, has_sinks, value_f
     p = jnp.exp(s - m_new[:, None])  # masked entries: exp(-inf) = 0
     correction = jnp.exp(m - m_new)
     v = ks[0] if value_from_key else v_ref[safe, :]  # [block_k, Dv]
-    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32, precision=precision)
+    pv = _matmul(p.astype(v.dtype), v, ((1,), (0,)), precision)
     return m_new, l * correction + p.sum(axis=1), acc * correction[:, None] + pv
 
   init = (jnp.full((block_h,), _NEG, jnp.float32), jnp.zeros((block_h,), jnp.float32),
@@ -326,11 +325,18 @@ def _forward_kernel(*refs, n_parts, scale, num_keys, block_k, has_sinks, value_f
   lse_ref[...] = jnp.where(nonempty, m + jnp.log(safe_l), -jnp.inf)
 
 
+def _value_dim(k, v, value_dim) -> int:
+  """Dv: v's last dim, else `value_dim` of k's prefix (default all of k)."""
+  if v is not None:
+    return v.shape[-1]
+  return k.shape[-1] if value_dim is None else value_dim
+
+
 def _values(k, v, value_dim):
   """(v or None, Dv): None when the values are k's first power-of-two part, read from k in-kernel."""
+  Dv = _value_dim(k, v, value_dim)
   if v is not None:
-    return v, v.shape[-1]
-  Dv = k.shape[-1] if value_dim is None else value_dim
+    return v, Dv
   if Dv == _power_of_two_parts(k.shape[-1])[0]:
     return None, Dv
   return k[..., :Dv], Dv  # another prefix width: an explicit (sliced) value array
@@ -340,7 +346,7 @@ def _check_mosaic_forward(k, v, value_dim):
   """Raises NotImplementedError unless the Mosaic GPU forward may run: a Hopper GPU, and a value dim the
   Triton backward (which reads its lse) takes, a power of two; the kernel itself declines the rest."""
   require_hopper("sparse_attention's Mosaic GPU forward")
-  Dv = v.shape[-1] if v is not None else (value_dim or k.shape[-1])
+  Dv = _value_dim(k, v, value_dim)
   if Dv & (Dv - 1):
     raise NotImplementedError(f"sparse_attention's Mosaic GPU forward: Dv={Dv} is not a power of two, which "
                               f"the Triton backward needs")
@@ -402,11 +408,6 @@ def sparse_attention_forward_pallas(q, k, v, indices, *, scale, sinks=None, valu
 
 # ------------------------------------------------------------------------------------------------
 # Backward.
-
-
-def _matmul(a, b, contract, precision):
-  """f32 `dot_general(a, b)` contracting `contract` = (a's axes, b's axes), no batch axes."""
-  return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32, precision=precision)
 
 
 def _backward_kernel(*refs, n_parts, scale, num_keys, block_k, value_from_key, precise, interpret, deterministic,
