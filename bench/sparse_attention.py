@@ -130,14 +130,12 @@ def variants(shape: Shape, scale, fwd_config=None, bwd_config=None, det_chunk_mi
   fused = shape.value_is_key
   value_dim = shape.Dv if fused else None
 
-  def fwd_p(q, k, v, idx, sinks, dout):
+  def fwd_p(q, k, v, idx, sinks, dout, forward=None):
+    config = fwd_config
+    if forward is not None:  # a named forward kernel instead of the backend's pick
+      config = dataclasses.replace(config or Config.heuristics(shape.Dk, shape.Dv, q.dtype.itemsize), forward=forward)
     return sparse_attention_forward_pallas(q, k, None if fused else v, idx, scale=scale, sinks=sinks,
-                                           value_dim=value_dim, config=fwd_config)
-
-  def fwd_triton(q, k, v, idx, sinks, dout):
-    config = fwd_config or Config.heuristics(shape.Dk, shape.Dv, q.dtype.itemsize)
-    return sparse_attention_forward_pallas(q, k, None if fused else v, idx, scale=scale, sinks=sinks,
-                                           value_dim=value_dim, config=dataclasses.replace(config, forward="triton"))
+                                           value_dim=value_dim, config=config)
 
   def fwd_r(q, k, v, idx, sinks, dout):
     return sparse_attention_forward_reference(q, k, v, idx, scale=scale, sinks=sinks)
@@ -169,7 +167,7 @@ def variants(shape: Shape, scale, fwd_config=None, bwd_config=None, det_chunk_mi
     return run
 
   return dict(
-      pallas_fwd=fwd_p, pallas_triton_fwd=fwd_triton, reference_fwd=fwd_r, pallas_bwd=bwd_p, reference_bwd=bwd_r,
+      pallas_fwd=fwd_p, pallas_triton_fwd=functools.partial(fwd_p, forward="triton"), reference_fwd=fwd_r, pallas_bwd=bwd_p, reference_bwd=bwd_r,
       pallas_det_bwd=functools.partial(bwd_p, deterministic=True),
       pallas_fwd_bwd=fwd_bwd("pallas"), reference_fwd_bwd=fwd_bwd("reference"),
   )

@@ -232,8 +232,8 @@ def _indexer_grads(cfg: ModelConfig, seq_len: int) -> float:
 
 def _deterministic_slabs(cfg: ModelConfig, rows: float, key_width: int) -> float:
   """The f32 slabs of `model.sparse_attention_deterministic`'s backward: every selected entry's gradient
-  row (the family's keys per query, `_attention_dims`) per head block (the backward kernel's `block_h` for this family's heads per key group), over
-  query chunks capped at the kernel's `Config.chunk_bytes`. At MLA 16K on the H200 the deterministic
+  row (the family's keys per query, `_attention_dims`) per head block (the backward kernel's `block_h`
+  for this family's heads per key group), over query chunks capped at the kernel's `Config.chunk_bytes`. At MLA 16K on the H200 the deterministic
   backward's temporaries were 2.48 GB against the atomic 1.39 GB with 32-head blocks
   (bench/results/sparse_attention_deterministic.json), the 1 GiB cap plus its sort."""
   if not cfg.sparse_attention_deterministic:
