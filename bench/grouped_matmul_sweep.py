@@ -10,6 +10,7 @@ or run is a row with its error. Prints one JSON row per run.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -31,12 +32,28 @@ from pallas_kernels.grouped_matmul.autotune import Config  # noqa: E402
 DEFAULT_CONFIGS = ("128x128x64/3/4", "128x128x64/3/8", "128x128x64/3/16", "128x128x64/3/2")
 
 
-def parse(spec: str) -> Config:
-  """"block_m x block_n x block_k / stages / snake band" (block_n per warpgroup: the CTA has 2x)."""
-  tiles, stages, band = spec.split("/")
-  block_m, block_n, block_k = (int(v) for v in tiles.split("x"))
-  return Config(block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=int(stages),
-                grid_block_n=int(band))
+def parse(spec: str, problem=None) -> Config:
+  """"block_m x block_n x block_k / stages / snake band[/c<delay_release>]" (block_n per warpgroup: the
+  CTA has 2x; a `/c0` or `/c1` suffix runs the continuous pipeline with that delay_release, and
+  letters after it: `s` 64-row tail tiles (forward), `p` warpgroups splitting dW's P), or
+  "heur[/c<delay_release>]": `Config.heuristics` at `problem` = (kind, m, k, n, g)."""
+  tiles, *rest = spec.split("/")
+  if tiles == "heur":
+    base = Config.heuristics(*problem)
+  else:
+    stages, band, *rest = rest
+    block_m, block_n, block_k = (int(v) for v in tiles.split("x"))
+    base = Config(block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=int(stages),
+                  grid_block_n=int(band))
+  if rest:
+    if len(rest) > 1 or not rest[0].startswith("c"):
+      raise ValueError(f"bad config {spec!r}")
+    flags = rest[0][2:]
+    if not set(flags) <= set("sp"):
+      raise ValueError(f"bad config {spec!r}")
+    base = dataclasses.replace(base, continuous=True, delay_release=int(rest[0][1]), short_tiles="s" in flags,
+                               split_rows="p" in flags)
+  return base
 
 
 def run(fn, label, pass_name, inputs, reps):
@@ -71,11 +88,12 @@ def run_variants(variants, pass_name, inputs, reps, results, flops, fields):
 def run_dw(name, inputs, m, d, f, e, load, args, results):
   """dW rows: JAX's transposed kernel (the baseline) and the own one at each config."""
   variants = [("jax_transposed_ragged_dot_mgpu", lambda x, w, dout, s: bench.jax_transposed_kernel(x, dout, s))]
-  for spec in args.configs:
-    config = parse(spec)
+  variants = variants[args.no_jax_baseline:]
+  for spec in args.dw_configs or args.configs:
+    config = parse(spec, ("transposed", m, d, f, e))
     if d % config.block_m:
       continue
-    variants.append((f"tiled {spec}", lambda x, w, dout, s, c=config: tiled.transposed_grouped_matmul_tiled(
+    variants.append((f"tiled {spec} = {config}", lambda x, w, dout, s, c=config: tiled.transposed_grouped_matmul_tiled(
         x, dout, s, config=c)))
   run_variants(variants, "dw", inputs, args.reps, results, 2.0 * m * d * f,
                dict(shape=name, M=m, K=m, P=d, Q=f, E=e, load=load))
@@ -87,6 +105,9 @@ def main():
   parser.add_argument("--shapes", nargs="+", default=list(bench.SHAPES), choices=list(bench.SHAPES))
   parser.add_argument("--passes", nargs="+", default=["forward", "dx", "dw"], choices=["forward", "dx", "dw"])
   parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
+  parser.add_argument("--dw-configs", nargs="+", default=None, help="dW's configs, if not --configs")
+  parser.add_argument("--no-jax-baseline", action="store_true",
+                      help="skip JAX's kernel (the first config is then the `vs_jax_kernel` baseline)")
   parser.add_argument("--reps", type=int, default=10)
   args = parser.parse_args()
   results = Results(args.out, False)
@@ -103,11 +124,12 @@ def main():
       kk, n = (f, d) if transpose else (d, f)
       lhs_of = (lambda x, dout: dout) if transpose else (lambda x, dout: x)
       variants = [("jax_ragged_dot_mgpu", lambda x, w, dout, s: bench.jax_kernel(lhs_of(x, dout), w, s, transpose))]
+      variants = variants[args.no_jax_baseline:]
       for spec in args.configs:
-        config = parse(spec)
+        config = parse(spec, ("forward_transposed_rhs" if transpose else "forward", m, kk, n, e))
         if kk % config.block_k:
           continue
-        variants.append((f"tiled {spec}", lambda x, w, dout, s, c=config: tiled.grouped_matmul_tiled(
+        variants.append((f"tiled {spec} = {config}", lambda x, w, dout, s, c=config: tiled.grouped_matmul_tiled(
             lhs_of(x, dout), w, s, config=c, transpose_rhs=transpose)))
       run_variants(variants, pass_name, inputs, args.reps, results, 2.0 * m * d * f,
                    dict(shape=name, M=m, K=kk, N=n, E=e, load=load))

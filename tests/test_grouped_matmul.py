@@ -383,3 +383,74 @@ def test_pallas_dw_kernel_with_many_groups(sizes):
                                      np.asarray(b[: m - 29], np.float64))
   np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=0.35, rtol=2e-2)
   assert not np.asarray(out[7]).any()
+
+
+# ---- the continuous pipeline (one pipeline over all of a CTA's items, `Config.continuous`) ----
+
+_CONTINUOUS = {f"c{d}{'s' * short}": autotune.Config(block_n=128, max_concurrent_steps=3, grid_block_n=2, continuous=True,
+                                                     delay_release=d, short_tiles=short, split_rows=short)
+               for d, short in ((0, False), (1, False), (1, True))}  # c1s: short tiles and dW split over P
+
+
+@pytest.mark.parametrize("variant", list(_CONTINUOUS))
+def test_continuous_kernels_lower_for_cuda(variant, monkeypatch):
+  """Forward, dx layout and dW with the continuous pipeline export for a CUDA target (Mosaic's lowering
+  and its shared-memory check run on CPU)."""
+  from pallas_kernels.grouped_matmul import grouped_matmul as kernels  # noqa: PLC0415
+
+  monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
+  config = _CONTINUOUS[variant]
+  mosaic = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("mosaic_gpu", "mosaic_gpu_v2")]
+  sizes = jax.ShapeDtypeStruct((5,), jnp.int32)
+  for transpose_rhs in (False, True):
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 128), (5, 192, 128) if transpose_rhs else (5, 128, 192))]
+    exported = jax.export.export(jax.jit(lambda a, b, s: kernels._forward(a, b, s, config, transpose_rhs)),
+                                 platforms=["cuda"], disabled_checks=mosaic)(*args, sizes)
+    assert "custom_call @mosaic_gpu" in exported.mlir_module() and exported.out_avals[0].shape == (256, 192)
+  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 128), (256, 320))]
+  exported = jax.export.export(jax.jit(lambda a, b, s: kernels._transposed(a, b, s, config)), platforms=["cuda"],
+                               disabled_checks=mosaic)(*args, sizes)
+  assert "custom_call @mosaic_gpu" in exported.mlir_module() and exported.out_avals[0].shape == (5, 128, 320)
+
+
+def test_continuous_config_validation():
+  with pytest.raises(ValueError, match="delay_release"):
+    autotune.Config(delay_release=1)  # only with the continuous pipeline
+  with pytest.raises(ValueError, match="delay_release"):
+    autotune.Config(continuous=True, delay_release=2)
+  with pytest.raises(ValueError, match="short_tiles"):
+    autotune.Config(short_tiles=True)
+
+
+@pytest.mark.gpu_only
+@_ON_GPU
+@pytest.mark.parametrize("variant", list(_CONTINUOUS))
+def test_pallas_continuous_kernels_against_the_oracle(variant):
+  """The continuous pipeline over items that carry different step counts and skip: forward and dx
+  layout with empty groups, a group taking most rows, a sum below M (zero tiles), K = 320 (5 steps,
+  not a multiple of the 3 stages), N = 320 (a half wholly past N), group tails of every length
+  (64-row tiles with `short_tiles`); dW with groups of 1-40 rows (fewer steps than stages), empty
+  ones, rows past the sum poisoned."""
+  from pallas_kernels.grouped_matmul import grouped_matmul_pallas, transposed_grouped_matmul_pallas  # noqa: PLC0415
+
+  config = _CONTINUOUS[variant]
+  rng = np.random.default_rng(5)
+  for sizes, m in (([300, 0, 517, 207, 0], 1100), ([0, 1024, 0], 1024),
+                   (list(rng.multinomial(64 * 96 - 50, np.ones(64) / 64)), 64 * 96)):
+    for transpose_rhs in (False, True):
+      lhs, rhs, gs, _ = _inputs(m, sizes, k=320, n=320, dtype=jnp.bfloat16, transpose_rhs=transpose_rhs)
+      out = jax.jit(lambda a, b, s: grouped_matmul_pallas(a, b, s, transpose_rhs=transpose_rhs, config=config))(
+          lhs, rhs, gs)
+      want = grouped_matmul_oracle(lhs, rhs, sizes, transpose_rhs=transpose_rhs)
+      np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=0.4, rtol=2e-2)
+      assert not np.asarray(out[sum(sizes):]).any()
+  group_rows = list(rng.integers(0, 41, 64))
+  group_rows[7] = 0
+  m = int(sum(group_rows)) + 29
+  a, _, gs, b = _inputs(m, group_rows, k=256, n=320, dtype=jnp.bfloat16)
+  a, b = a.at[m - 29:].set(jnp.nan), b.at[m - 29:].set(jnp.inf)
+  out = jax.jit(lambda a, b, s: transposed_grouped_matmul_pallas(a, b, s, config=config))(a, b, gs)
+  _, _, want = grouped_matmul_oracle(a[: m - 29], np.zeros((64, 256, 320)), group_rows,
+                                     np.asarray(b[: m - 29], np.float64))
+  np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=0.35, rtol=2e-2)
+  assert not np.asarray(out[7]).any()

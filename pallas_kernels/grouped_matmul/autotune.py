@@ -40,6 +40,14 @@ class Config:
   `max_concurrent_steps` its stages in shared memory, `grid_block_n` the width (in N blocks) of the
   snake order in which the persistent grid walks output tiles (L2 reuse of the weights and rows).
   For dW (`transposed`) the output is [G, P, Q]: block_m tiles P, the columns Q, block_k the rows.
+  `continuous`: one pipeline over all of a CTA's work items (the producer loads the next item's first
+  steps while the consumers finish this one and store it) instead of one pipeline per item, which
+  drains and refills the stages at every item. `delay_release` (continuous only): wgmma groups left
+  in flight when a step's operands arrive, 0 or 1; with 1 a stage is released one step later.
+  `short_tiles` (continuous forward/dx only; dW ignores it): a row tile whose group ends within its
+  first 64 rows runs as a 64-row tile (half the MMAs and lhs loads). `split_rows` (continuous dW
+  only): the warpgroups split 2 * block_m of P instead of 2 * block_n of Q (a CTA of 2 * block_m x
+  block_n), for a Q that 2 * block_n does not divide; the forward ignores it.
   """
 
   block_m: int = 128
@@ -47,6 +55,10 @@ class Config:
   block_k: int = 64
   max_concurrent_steps: int = 4
   grid_block_n: int = 1
+  continuous: bool = False
+  delay_release: int = 0
+  short_tiles: bool = False
+  split_rows: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -57,6 +69,12 @@ class Config:
       raise ValueError(f"Config.max_concurrent_steps={self.max_concurrent_steps!r} must be in [1, 8].")
     if self.grid_block_n < 1 or self.grid_block_n & (self.grid_block_n - 1):
       raise ValueError(f"Config.grid_block_n={self.grid_block_n!r} must be a power of two.")
+    if self.delay_release not in (0, 1) or (self.delay_release and not self.continuous):
+      raise ValueError(f"Config.delay_release={self.delay_release!r} must be 0, or 1 with continuous=True.")
+    if (self.short_tiles or self.split_rows) and not self.continuous:
+      raise ValueError("Config.short_tiles and Config.split_rows need continuous=True.")
+    if self.delay_release >= self.max_concurrent_steps:
+      raise ValueError("Config.delay_release must be below max_concurrent_steps.")
 
   @property
   def columns(self) -> int:
@@ -200,6 +218,8 @@ def tune(configs: Sequence[Config], measure: Callable[[Config], float]) -> tuple
   best, best_s = None, float("inf")
   for config in configs:
     name = "{block_m}x{block_n}x{block_k}/s{max_concurrent_steps}/g{grid_block_n}".format(**dataclasses.asdict(config))
+    if config.continuous:
+      name += f"/c{config.delay_release}" + ("s" if config.short_tiles else "") + ("p" if config.split_rows else "")
     try:
       seconds = float(measure(config))
     except Exception as e:  # noqa: BLE001 - a config that fails to compile or overflows smem is skipped

@@ -121,7 +121,7 @@ def _transposed(a, b, group_sizes, config):
   from pallas_kernels.grouped_matmul import tiled  # noqa: PLC0415
 
   p, q = a.shape[1], b.shape[1]
-  a = _pad_axis(_pad_axis(a, 1, config.block_m), 0, 8)
+  a = _pad_axis(_pad_axis(a, 1, config.block_m * (2 if config.split_rows else 1)), 0, 8)
   b = _pad_axis(_pad_axis(b, 1, _SWIZZLE_TILE), 0, 8)  # Q as N in the forward
   out = tiled.transposed_grouped_matmul_tiled(a, b, group_sizes, config=config, num_sms=jax.devices()[0].core_count)
   return out[:, :p, :q]

@@ -144,6 +144,9 @@ def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs
   transforms = _input_transforms(tile_k, dtype)
   if num_sms is None:
     num_sms = jax.devices()[0].core_count
+  if config.continuous:
+    kernel = _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config, transpose_rhs)
+    return _persistent(kernel, (m, n), dtype, num_sms)(table, lhs, rhs)
 
   def pipeline(body, compute_context):
     rhs_block = (block_n, tile_k) if transpose_rhs else (tile_k, block_n)
@@ -230,6 +233,167 @@ def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs
   return _persistent(kernel, (m, n), dtype, num_sms)(table, lhs, rhs)
 
 
+def _mma_steps(acc_ref, steps, step0, stages, produced, consumed, delay_release, mma):
+  """The consumer side of a continuous pipeline: `steps` K steps into acc_ref, from global step `step0`.
+
+  Step s's operands are in slot s % stages once produced[slot] completes; the slot is handed back
+  (consumed[slot], one arrival per consumer warpgroup) when this warpgroup's wgmma on it has
+  finished: at once (delay_release 0), or one step later (1), so that one wgmma group stays in
+  flight while the next step's barrier is awaited and its wgmma issued. `mma(ki, slot)` issues it.
+  """
+
+  def body(ki, acc_ref):
+    step = step0 + ki
+    slot = lax.rem(step, stages)
+    plgpu.barrier_wait(produced.at[slot])
+    mma(ki, slot, acc_ref)
+    plgpu.wgmma_wait(delay_release)
+    if delay_release:
+      plgpu.barrier_arrive(consumed.at[lax.rem(step + stages - 1, stages)], predicate=ki > 0)
+    else:
+      plgpu.barrier_arrive(consumed.at[slot])
+    return acc_ref
+
+  lax.fori_loop(0, steps, body, acc_ref)
+  if delay_release:
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(consumed.at[lax.rem(step0 + steps - 1, stages)])
+
+
+def _load_steps(steps, step0, stages, produced, consumed, copies):
+  """The producer side: for each of `steps` K steps, wait for its slot to be handed back (from the
+  CTA's stages-th step on) and issue `copies(ki, slot, barrier)`, whose TMA copies complete it."""
+
+  @pl.loop(0, steps)
+  def _(ki):
+    step = step0 + ki
+    slot = lax.rem(step, stages)
+
+    @pl.when(step >= stages)
+    def _():
+      plgpu.barrier_wait(consumed.at[slot])
+
+    copies(ki, slot, produced.at[slot])
+
+
+def _row_variants(tile_m: int, short_m: int | None, hi):
+  """(rows, predicate) of the tile heights a tile may run at: all `tile_m` rows, or, with `short_m`,
+  `short_m` rows where the group's rows end within them (hi <= short_m: a group's last tile under
+  skew, or a narrow group's tail), so half the MMAs of a 64-row tail are not spent on rows past it."""
+  if short_m is None:
+    return ((tile_m, None),)
+  return ((tile_m, hi > short_m), (short_m, hi <= short_m))
+
+
+def _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config: Config, transpose_rhs: bool):
+  """The forward/dx kernel body with one pipeline over all of a CTA's (tile, N block) items.
+
+  Per item the producer warpgroup streams k / block_k steps of (lhs rows, the group's weight block)
+  into `stages` slots, numbered by the CTA's global step, so it runs up to `stages` steps into the
+  next item while the consumers finish this one and store it: no drain and refill per item (the
+  per-item pipeline's cost at short K: Qwen's dx has 10 steps per item). Both sides walk the same
+  items and skip the same ones (zero tiles and unused ones), so their step counts agree.
+  """
+  del m
+  tile_m, tile_n, tile_k = config.block_m, config.block_n, config.block_k
+  block_n, stages, k_steps = 2 * tile_n, config.max_concurrent_steps, k // tile_k
+  n_blocks = pl.cdiv(n, block_n)
+  transforms = _input_transforms(tile_k, dtype)
+  rhs_block = (block_n, tile_k) if transpose_rhs else (tile_k, block_n)
+  short_m = 64 if config.short_tiles and tile_m > 64 else None
+
+  def kernel(table_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    @functools.partial(
+        pl.run_scoped,
+        lhs_smem=plgpu.SMEM((stages, tile_m, tile_k), dtype, transforms=transforms),
+        rhs_smem=plgpu.SMEM((stages, *rhs_block), dtype, transforms=transforms),
+        out_smem=plgpu.SMEM((2 * tile_m, tile_n), dtype),
+        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # two TMA copies per step
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # two consumer warpgroups
+        collective_axes="wg",
+    )
+    def scope(lhs_smem, rhs_smem, out_smem, produced, consumed):
+      wg = lax.axis_index("wg")
+
+      def item(info):
+        tile, n_block = plgpu.planar_snake(info.index[0], (num_tiles, n_blocks), 1, config.grid_block_n)
+        group, first_row = table_gmem[0, tile], pl.multiple_of(table_gmem[1, tile], 8)
+        lo, hi = table_gmem[2, tile], table_gmem[3, tile]
+        return n_block, group, first_row, lo, hi, (hi > lo) & (group < g)
+
+      @pl.when(wg == 2)
+      def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        @plgpu.nd_loop((num_tiles * n_blocks,), collective_axes="sm", init_carry=jnp.int32(0))
+        def work(info, carry):
+          n_block, group, first_row, _, hi, runs = item(info)
+
+          def copies(ki, slot, barrier):
+            ks = pl.ds(ki * tile_k, tile_k)
+            ns = pl.ds(n_block * block_n, block_n)
+            for rows, pred in _row_variants(tile_m, short_m, hi):
+              plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(first_row, rows), ks], lhs_smem.at[slot, pl.ds(0, rows)],
+                                      barrier, predicate=pred)
+            rhs_src = rhs_gmem.at[group, ns, ks] if transpose_rhs else rhs_gmem.at[group, ks, ns]
+            plgpu.copy_gmem_to_smem(rhs_src, rhs_smem.at[slot], barrier)
+
+          @pl.when(runs)
+          def _():
+            _load_steps(k_steps, carry, stages, produced, consumed, copies)
+
+          return carry + jnp.where(runs, k_steps, 0)
+
+      @pl.when(wg < 2)
+      def _consumers():
+        plgpu.set_max_registers(232, action="increase")
+        smem_row = pl.multiple_of(wg * tile_m, tile_m)
+
+        @plgpu.nd_loop((num_tiles * n_blocks,), collective_axes="sm", init_carry=jnp.int32(0))
+        def work(info, carry):
+          n_block, group, first_row, lo, hi, runs = item(info)
+          col = n_block * block_n + wg * tile_n
+
+          def store(values):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read it
+            out_smem[pl.ds(smem_row, tile_m), :] = values
+            plgpu.commit_smem()
+            _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, tile_m, tile_n)
+
+          @pl.when((hi > lo) & (group == g) & (col < n))  # rows past the groups: zeros
+          def _():
+            store(jnp.zeros((tile_m, tile_n), dtype))
+
+          for rows, pred in _row_variants(tile_m, short_m, hi):
+            def mma(ki, slot, acc_ref, rows=rows):
+              del ki
+              if transpose_rhs:
+                rhs_wg = rhs_smem.at[slot, pl.ds(wg * tile_n, tile_n), :].transpose((1, 0))
+              else:
+                rhs_wg = rhs_smem.at[slot, :, pl.ds(wg * tile_n, tile_n)]
+              plgpu.wgmma(acc_ref, lhs_smem.at[slot, pl.ds(0, rows)], rhs_wg)
+
+            @pl.when(runs if pred is None else runs & pred)
+            def _(rows=rows, mma=mma):
+              @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows, tile_n), jnp.float32))
+              def _(acc_ref):
+                _mma_steps(acc_ref, k_steps, carry, stages, produced, consumed, config.delay_release, mma)
+                acc = acc_ref[...].astype(dtype)
+
+                @pl.when(col < n)  # a half wholly past N stores nothing
+                def _():
+                  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read it
+                  out_smem[pl.ds(smem_row, rows), :] = acc
+                  plgpu.commit_smem()
+                  _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, rows, tile_n)
+
+          return carry + jnp.where(runs, k_steps, 0)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  return kernel
+
+
 def group_table(group_sizes: jax.Array) -> jax.Array:
   """int32[4, G] per group: (first row read, a multiple of 8; rows [lo, hi) of the group from it;
   the row, from it, where the rows past all groups begin).
@@ -263,8 +427,8 @@ def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sm
   g = group_sizes.shape[0]
   tile_p, tile_q, tile_k = config.block_m, config.block_n, config.block_k
   block_q = 2 * tile_q
-  if p % tile_p:
-    raise ValueError(f"P={p} must be a multiple of block_m={tile_p}.")
+  if p % (tile_p * (2 if config.split_rows else 1)):
+    raise ValueError(f"P={p} must be a multiple of block_m={tile_p} (twice that with split_rows).")
   table = group_table(group_sizes)
   p_blocks, q_blocks = p // tile_p, pl.cdiv(q, block_q)
   dtype = a.dtype
@@ -272,6 +436,9 @@ def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sm
   b_transforms = _input_transforms(block_q, dtype)
   if num_sms is None:
     num_sms = jax.devices()[0].core_count
+  if config.continuous:
+    kernel = _continuous_dw_kernel(m, p, q, g, dtype, config)
+    return _persistent(kernel, (g, p, q), dtype, num_sms)(table, a, b)
 
   def pipeline(body, compute_context, steps):
     return plgpu.emit_pipeline_warp_specialized(
@@ -365,3 +532,124 @@ def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sm
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return _persistent(kernel, (g, p, q), dtype, num_sms)(table, a, b)
+
+
+def _continuous_dw_kernel(m, p, q, g, dtype, config: Config):
+  """The dW kernel body with one pipeline over all of a CTA's (group, P block, Q block) items.
+
+  As `_continuous_forward_kernel`: the producer numbers steps across items (a group's item has
+  ceil(rows / block_k) steps, so the count is carried), and loads the next item's first rows while
+  the consumers finish and store this one; a group's small K (Qwen: 320 rows, 5 steps) made the
+  per-item pipeline's drain and refill a large share of each item. The masking is the per-item
+  kernel's: b's rows of other groups in the first and last step, a's rows past all groups.
+
+  `config.split_rows`: the CTA's tile is 2 * block_m of P by block_n of Q, the warpgroups splitting
+  P (each masks the whole shared b block and its half of a; identical writes, as for a below), so a
+  Q that 2 * block_n does not divide (Qwen's 640 = 5 x 128) reads and computes no columns past it.
+  """
+  del m
+  tile_p, tile_q, tile_k = config.block_m, config.block_n, config.block_k
+  stages, split = config.max_concurrent_steps, config.split_rows
+  block_p, block_q = (2 * tile_p, tile_q) if split else (tile_p, 2 * tile_q)
+  p_blocks, q_blocks = p // block_p, pl.cdiv(q, block_q)
+  a_transforms = _input_transforms(block_p, dtype)
+  b_transforms = _input_transforms(block_q, dtype)
+
+  def kernel(table_gmem, a_gmem, b_gmem, out_gmem):
+    @functools.partial(
+        pl.run_scoped,
+        a_smem=plgpu.SMEM((stages, tile_k, block_p), dtype, transforms=a_transforms),
+        b_smem=plgpu.SMEM((stages, tile_k, block_q), dtype, transforms=b_transforms),
+        out_smem=plgpu.SMEM((2 * tile_p, tile_q), dtype),
+        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        collective_axes="wg",
+    )
+    def scope(a_smem, b_smem, out_smem, produced, consumed):
+      wg = lax.axis_index("wg")
+
+      def item(info):
+        group = info.index[0]
+        p_block, q_block = plgpu.planar_snake(info.index[1], (p_blocks, q_blocks), 1, config.grid_block_n)
+        first_row, lo, hi = pl.multiple_of(table_gmem[0, group], 8), table_gmem[1, group], table_gmem[2, group]
+        steps = jnp.where(hi > lo, (hi + tile_k - 1) // tile_k, 0)
+        return group, p_block, q_block, first_row, lo, hi, table_gmem[3, group], steps
+
+      @pl.when(wg == 2)
+      def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        @plgpu.nd_loop((g, p_blocks * q_blocks), collective_axes="sm", init_carry=jnp.int32(0))
+        def work(info, carry):
+          _, p_block, q_block, first_row, _, _, _, steps = item(info)
+
+          def copies(ki, slot, barrier):
+            rows = pl.ds(first_row + ki * tile_k, tile_k)  # past M, TMA reads zeros
+            plgpu.copy_gmem_to_smem(a_gmem.at[rows, pl.ds(p_block * block_p, block_p)], a_smem.at[slot], barrier)
+            plgpu.copy_gmem_to_smem(b_gmem.at[rows, pl.ds(q_block * block_q, block_q)], b_smem.at[slot], barrier)
+
+          _load_steps(steps, carry, stages, produced, consumed, copies)
+          return carry + steps
+
+      @pl.when(wg < 2)
+      def _consumers():
+        plgpu.set_max_registers(232, action="increase")
+        smem_row = pl.multiple_of(wg * tile_p, tile_p)
+
+        @plgpu.nd_loop((g, p_blocks * q_blocks), collective_axes="sm", init_carry=jnp.int32(0))
+        def work(info, carry):
+          group, p_block, q_block, _, lo, hi, past_groups, steps = item(info)
+          if split:
+            row0, col = p_block * block_p + wg * tile_p, q_block * block_q
+          else:
+            row0, col = p_block * block_p, q_block * block_q + wg * tile_q
+          out_tile = out_gmem.at[group, pl.ds(row0, tile_p), pl.ds(col, tile_q)]
+
+          def store(acc):
+            @pl.when(col < q)  # a half wholly past Q stores nothing
+            def _():
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              out_smem[pl.ds(smem_row, tile_p), :] = acc.astype(dtype)
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(smem_row, tile_p)], out_tile)
+
+          @pl.when(hi == lo)  # an empty group: zeros
+          def _():
+            store(jnp.zeros((tile_p, tile_q), jnp.float32))
+
+          def mask(ref, keep):
+            """ref[r, :] = 0 where not keep(step row r), in shared memory, fenced for the wgmma."""
+            row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
+            values = ref[...]
+            ref[...] = jnp.where(keep(row), values, jnp.zeros_like(values))
+            plgpu.commit_smem()
+
+          def mma(ki, slot, acc_ref):
+            if split:
+              a_wg, b_wg = a_smem.at[slot, :, pl.ds(wg * tile_p, tile_p)], b_smem.at[slot]
+            else:
+              a_wg, b_wg = a_smem.at[slot], b_smem.at[slot, :, pl.ds(wg * tile_q, tile_q)]
+            base = ki * tile_k
+
+            @pl.when((ki == 0) | (ki == steps - 1))
+            def _():
+              mask(b_wg, lambda r: (r + base >= lo) & (r + base < hi))
+
+            @pl.when(base + tile_k > past_groups)  # 0 * NaN is NaN: a's rows past the groups too
+            def _():
+              mask(a_wg, lambda r: r + base < past_groups)
+
+            plgpu.wgmma(acc_ref, a_wg.transpose((1, 0)), b_wg)
+
+          @pl.when(hi > lo)
+          def _():
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_p, tile_q), jnp.float32))
+            def _(acc_ref):
+              _mma_steps(acc_ref, steps, carry, stages, produced, consumed, config.delay_release, mma)
+              store(acc_ref[...])
+
+          return carry + steps
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  return kernel
