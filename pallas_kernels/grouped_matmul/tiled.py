@@ -308,7 +308,9 @@ def _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config: Config, tra
         lhs_smem=plgpu.SMEM((stages, tile_m, tile_k), dtype, transforms=transforms),
         rhs_smem=plgpu.SMEM((stages, *rhs_block), dtype, transforms=transforms),
         out_smem=plgpu.SMEM((2 * tile_m, tile_n), dtype),
-        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # two TMA copies per step
+        # One arrival per TMA copy issued: rhs and lhs, or rhs and both lhs variants with short
+        # tiles (a copy whose predicate is false still arrives, expecting 0 bytes).
+        produced=plgpu.Barrier(num_arrivals=2 if short_m is None else 3, num_barriers=stages),
         consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # two consumer warpgroups
         collective_axes="wg",
     )
