@@ -140,7 +140,7 @@ def test_config_validation_heuristics_and_search_space():
     autotune.Config.heuristics("backward", 1, 1, 1, 1)
   for kind in autotune.KINDS:
     space = autotune.Config.search_space(kind, 131072, 6144, 2048, 256)
-    assert 4 <= len(space) <= 6 and len(set(space)) == len(space)
+    assert 4 <= len(space) <= 8 and len(set(space)) == len(space)
     assert all(2048 % c.columns == 0 for c in space)  # no padded (copied) weights
     assert space[0] == autotune.Config.heuristics(kind, 131072, 6144, 2048, 256)
     assert all(c.smem_bytes(2) <= 227 * 1024 for c in space)
@@ -150,6 +150,15 @@ def test_config_validation_heuristics_and_search_space():
   narrow = autotune.Config.heuristics("forward", 163840, 2560, 640, 512)
   assert narrow.columns == 256 and narrow.grid_block_n == 4
   assert autotune.Config.heuristics("transposed", 163840, 2560, 640, 512).grid_block_n == 1
+  # dW: the continuous pipeline everywhere; Qwen's Q 640 = 5 x 128 with the warpgroups splitting P.
+  narrow_dw = autotune.Config.heuristics("transposed", 163840, 2560, 640, 512)
+  assert narrow_dw.continuous and narrow_dw.split_rows and (narrow_dw.rows, narrow_dw.columns) == (256, 128)
+  wide_dw = autotune.Config.heuristics("transposed", 131072, 6144, 2048, 256)
+  assert wide_dw.continuous and not wide_dw.split_rows and wide_dw.columns == 256
+  # Forward/dx: continuous at most 64 K steps per item (V4's 4096, every dx at F 2048), not at K 6144.
+  assert autotune.Config.heuristics("forward", 98304, 4096, 2048, 256).continuous
+  assert autotune.Config.heuristics("forward_transposed_rhs", 131072, 2048, 6144, 256).continuous
+  assert not autotune.Config.heuristics("forward", 131072, 6144, 2048, 256).continuous
   # A width 256-column CTAs would pad by over 20% (320 -> 512) takes 128-column ones.
   assert autotune.Config.heuristics("forward", 4096, 256, 320, 8).columns == 128
   # dW tiles must divide its [K, N] output: K = 192 allows only 64-row tiles.

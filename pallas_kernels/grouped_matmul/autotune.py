@@ -78,13 +78,18 @@ class Config:
 
   @property
   def columns(self) -> int:
-    """Output columns per CTA: two warpgroups' worth."""
-    return 2 * self.block_n
+    """Output columns per CTA: two warpgroups' worth (one's with `split_rows`)."""
+    return self.block_n if self.split_rows else 2 * self.block_n
+
+  @property
+  def rows(self) -> int:
+    """Output rows per CTA (dW: of P): one warpgroup's worth (two with `split_rows`)."""
+    return 2 * self.block_m if self.split_rows else self.block_m
 
   def smem_bytes(self, itemsize: int) -> int:
     """Shared memory of the input pipeline plus the output tile (the same for every kind)."""
-    return (self.max_concurrent_steps * (self.block_m + self.columns) * self.block_k
-            + self.block_m * self.columns) * itemsize
+    return (self.max_concurrent_steps * (self.rows + self.columns) * self.block_k
+            + self.rows * self.columns) * itemsize
 
   @classmethod
   def heuristics(cls, kind: str, m: int, k: int, n: int, g: int) -> "Config":
@@ -95,7 +100,10 @@ class Config:
     most 20% (the kernels read the columns past N as zeros: Qwen's 640 = 2.5 CTAs ran 355.8 against
     325.4 TFLOP/s on 128-column CTAs, dW 306.3 against 267.1), else 128-column CTAs, 4 stages.
     dW's block_m also tiles its output's K (= P) axis: 64 when 128 does not divide it, so the wrapper
-    need not pad (a padded operand is a copy).
+    need not pad (a padded operand is a copy). The continuous pipeline for every dW and for forward/dx
+    items of at most 64 K steps (measured in one process at the bench shapes, bench/NOTES.md
+    2026-12-04 evening); 64-row tail tiles are left to tuning (faster at Qwen's forward, slower at
+    its dx and the skewed GLM-5.1 forward).
     """
     _check_kind(kind)
     del m, g
@@ -106,26 +114,48 @@ class Config:
       band = 4 if blocks >= 4 else 1
     else:  # a remainder band cost Qwen's dx 30%: 8 only where it tiles the blocks
       band = 8 if blocks % 8 == 0 else 4
-    return cls(block_m=block_m, block_n=block_n, max_concurrent_steps=3 if block_n == 128 else 4, grid_block_n=band)
+    stages = 3 if block_n == 128 else 4
+    if kind == "transposed":
+      # dW: the continuous pipeline (+15-25% at every bench shape), and where 256 columns pad Q but
+      # 128 do not (Qwen's 640), warpgroups splitting P instead: 443.5 against 368.7 (bench/NOTES.md).
+      split = n % (2 * block_n) != 0 and n % block_n == 0 and k % (2 * block_m) == 0
+      return cls(block_m=block_m, block_n=block_n, max_concurrent_steps=stages, grid_block_n=1 if split else band,
+                 continuous=True, split_rows=split)
+    # Forward/dx: continuous where an item is at most 64 K steps (V4-Flash's forward 545 -> 599, Qwen's
+    # dx 308 -> 336); at GLM-5.1's K 6144 it measured the same as one pipeline per item.
+    continuous = k <= 64 * 64
+    return cls(block_m=block_m, block_n=block_n, max_concurrent_steps=stages, grid_block_n=band,
+               continuous=continuous)
 
   @classmethod
   def search_space(cls, kind: str, m: int, k: int, n: int, g: int, itemsize: int = 2) -> tuple["Config", ...]:
-    """At most 6 configs, the heuristic first: snake bands of 1-16 N blocks (how long a row tile stays
+    """At most 8 configs, the heuristic first, then its other pipeline (and for forward/dx 64-row tail
+    tiles; for dW the other way of splitting the tile), then snake bands of 1-16 N blocks (how long a row tile stays
     hot in L2) and tiles of 64 or 128 rows x 128 or 256 columns. Kept only if the CTA's columns pad N
     by at most 20% (and, for dW, block_m divides its K) and the kernel fits the H100/H200's 227 KiB
     of shared memory.
     """
     _check_kind(kind)
-    found = [cls.heuristics(kind, m, k, n, g)]
+    heuristic = cls.heuristics(kind, m, k, n, g)
+    found = [heuristic]
+    if kind == "transposed":  # the continuous pipeline both ways of splitting the tile
+      alternative = dataclasses.replace(heuristic, split_rows=not heuristic.split_rows)
+      if k % alternative.rows == 0:
+        found.append(alternative)
+    else:  # the other pipeline, and 64-row tail tiles (which won at Qwen's forward, lost at its dx)
+      found.append(dataclasses.replace(heuristic, continuous=not heuristic.continuous))
+      found.append(dataclasses.replace(heuristic, continuous=True, short_tiles=True))
     for block_m, block_n, steps, grid_block_n in (
         (128, 128, 3, 4), (128, 128, 3, 16), (128, 128, 3, 2), (128, 128, 3, 1), (64, 128, 4, 8), (128, 64, 4, 8),
         (128, 64, 4, 4)):
       config = cls(block_m=block_m, block_n=block_n, max_concurrent_steps=steps, grid_block_n=grid_block_n)
+      if kind == "transposed":
+        config = dataclasses.replace(config, continuous=True)
       if not _pads_little(n, config.columns) or (kind == "transposed" and k % block_m):
         continue
       if config not in found and config.smem_bytes(itemsize) <= 227 * 1024:
         found.append(config)
-    return tuple(found[:6])
+    return tuple(found[:8])
 
 
 def _pads_little(n: int, columns: int) -> bool:
