@@ -411,6 +411,17 @@ def group_table(group_sizes: jax.Array) -> jax.Array:
   return jnp.stack([first_row, starts - first_row, ends - first_row, ends[-1] - first_row]).astype(jnp.int32)
 
 
+def _store_dw_tile(out_smem, smem_row, tile_p: int, out_tile, inside_q, acc):
+  """One consumer's [tile_p, tile_q] f32 dW block to `out_tile` through its rows of `out_smem`
+  (nothing where the block lies wholly past Q: `inside_q` false)."""
+  @pl.when(inside_q)
+  def _():
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    out_smem[pl.ds(smem_row, tile_p), :] = acc.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(smem_row, tile_p)], out_tile)
+
+
 def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sms: int | None = None):
   """a bf16|f16[M, P], b [M, Q] -> [G, P, Q] in a.dtype: `a_g^T @ b_g` over each group's rows (dW).
 
@@ -482,13 +493,7 @@ def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sm
         col = q_block * block_q + wg * tile_q
         out_tile = out_gmem.at[group, pl.ds(p_block * tile_p, tile_p), pl.ds(col, tile_q)]
 
-        def store(acc):
-          @pl.when(col < q)  # a half wholly past Q stores nothing
-          def _():
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            out_smem[pl.ds(smem_row, tile_p), :] = acc.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(smem_row, tile_p)], out_tile)
+        store = functools.partial(_store_dw_tile, out_smem, smem_row, tile_p, out_tile, col < q)
 
         @pl.when((hi == lo) & (wg < 2))  # an empty group: zeros from the two consumer warpgroups
         def _():
@@ -607,13 +612,7 @@ def _continuous_dw_kernel(m, p, q, g, dtype, config: Config):
             row0, col = p_block * block_p, q_block * block_q + wg * tile_q
           out_tile = out_gmem.at[group, pl.ds(row0, tile_p), pl.ds(col, tile_q)]
 
-          def store(acc):
-            @pl.when(col < q)  # a half wholly past Q stores nothing
-            def _():
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-              out_smem[pl.ds(smem_row, tile_p), :] = acc.astype(dtype)
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(smem_row, tile_p)], out_tile)
+          store = functools.partial(_store_dw_tile, out_smem, smem_row, tile_p, out_tile, col < q)
 
           @pl.when(hi == lo)  # an empty group: zeros
           def _():
