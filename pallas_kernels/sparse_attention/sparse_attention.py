@@ -73,6 +73,8 @@ class Config:
   Hopper GPU where it applies (one key head, values from the key rows, 64-head blocks;
   3.2x this file's kernel at MLA dims, 16K) and this file's Triton kernel elsewhere; "triton" always
   runs this file's; "mosaic" raises NotImplementedError where the Mosaic GPU kernel does not apply.
+  `backward` picks the backward kernel the same way (`mgpu_backward.py`: one key head, values from the
+  key rows, 64-head blocks, 16-bit inputs, not `deterministic`).
   """
 
   block_h: int = 64
@@ -83,6 +85,7 @@ class Config:
   chunk_bytes: int = 1 << 30
   forward: Literal["auto", "triton", "mosaic"] = "auto"
   slice_h: int = 0
+  backward: Literal["auto", "triton", "mosaic"] = "auto"
 
   @classmethod
   def heuristics(cls, Dk: int, Dv: int, itemsize: int) -> "Config":
@@ -121,8 +124,9 @@ class Config:
         raise ValueError(f"Config.{name}={value} must be a power of two.")
     if self.chunk_bytes < 1:
       raise ValueError(f"Config.chunk_bytes={self.chunk_bytes} must be positive.")
-    if self.forward not in ("auto", "triton", "mosaic"):
-      raise ValueError(f"Config.forward={self.forward!r} must be 'auto', 'triton' or 'mosaic'.")
+    for name in ("forward", "backward"):
+      if getattr(self, name) not in ("auto", "triton", "mosaic"):
+        raise ValueError(f"Config.{name}={getattr(self, name)!r} must be 'auto', 'triton' or 'mosaic'.")
 
 
 def _power_of_two_parts(n: int) -> tuple[int, ...]:
@@ -534,6 +538,10 @@ def sparse_attention_backward_pallas(residuals, cotangents, *, scale, determinis
   """
   q, k, v, indices, sinks, out, lse = residuals
   dout, dlse = cotangents
+  mosaic = _mosaic_backward(residuals, cotangents, scale=scale, deterministic=deterministic, config=config,
+                            interpret=interpret)
+  if mosaic is not None:
+    return mosaic
   value_is_prefix = v is None
   v, Dv = _values(k, v, out.shape[-1])
   default = Config.backward_heuristics(q.shape[-1], Dv, jnp.dtype(k.dtype).itemsize, q.shape[2] // k.shape[2],
@@ -564,12 +572,43 @@ def sparse_attention_backward_pallas(residuals, cotangents, *, scale, determinis
       dk, dv = dk + jnp.pad(dv, ((0, 0), (0, 0), (0, 0), (0, lay.Dk - Dv))), None
   dk = dk.astype(k.dtype)
   dv = None if dv is None else dv.astype(v.dtype)
-  dsinks = None
-  if sinks is not None:
-    # The sink's probability exp(sink - lse) only meets the row term: dsink = -sum p_sink * delta.
-    p_sink = jnp.exp(sinks.astype(jnp.float32) - lse)
-    dsinks = (-jnp.sum(p_sink * delta, axis=(0, 1))).astype(sinks.dtype)
-  return dq, dk, dv, dsinks
+  return dq, dk, dv, _dsinks(sinks, lse, delta)
+
+
+def _dsinks(sinks, lse, delta):
+  """The sink's probability exp(sink - lse) only meets the row term: dsink = -sum p_sink * delta."""
+  if sinks is None:
+    return None
+  p_sink = jnp.exp(sinks.astype(jnp.float32) - lse)
+  return (-jnp.sum(p_sink * delta, axis=(0, 1))).astype(sinks.dtype)
+
+
+def _mosaic_backward(residuals, cotangents, *, scale, deterministic, config, interpret):
+  """The Mosaic GPU backward's (dq, dk, None, dsinks) where `config.backward` asks for it and it applies,
+  else None (the Triton kernel runs); "mosaic" raises NotImplementedError where it does not apply."""
+  backward = "auto" if config is None else config.backward
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  if backward == "triton":
+    return None
+  if interpret:
+    if backward == "mosaic":
+      raise NotImplementedError("Config.backward='mosaic': the Mosaic GPU backward has no interpret mode")
+    return None
+  q, k, v, indices, sinks, out, lse = residuals
+  dout, dlse = cotangents
+  try:
+    require_hopper("sparse_attention's Mosaic GPU backward")
+    from pallas_kernels.sparse_attention import mgpu_backward  # noqa: PLC0415 - Mosaic GPU only where it runs
+
+    mgpu_backward.check_applies(q, k, v, out.shape[-1], deterministic)
+  except NotImplementedError:
+    if backward == "mosaic":
+      raise
+    return None
+  dq, dk = mgpu_backward.sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, scale=scale)
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
+  return dq, dk.astype(k.dtype), None, _dsinks(sinks, lse, delta)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,297 @@
+"""Sparse-attention backward on Hopper Mosaic GPU for the MQA shape of absorbed MLA (one shared key head).
+
+One CTA per (token, 64 heads), three warpgroups, 64 selected keys a step (`block_k`, one gathered
+[64, Dk] tile, the forward's producer and barriers: `mgpu_forward._gather_steps`):
+
+- Q [64, Dk] and dO [64, Dv] stay in shared memory for the whole row.
+- Consumer 0 computes S = Q K^T and P = exp2(S scale log2(e) - lse log2(e)) (0 at invalid slots) and
+  shares P (bf16) through shared memory. Consumer 1 computes dP = dO V^T (V = K[:, :Dv], the same
+  tile), reads P back and shares dS = P (dP - delta) scale (bf16). Reading P in bf16 adds an error of
+  the size of dS's own bf16 rounding, which every matmul below takes anyway.
+- Both: dQ += dS K, each consumer over its own columns (f32 accumulators in registers: consumer 0
+  Dk[0:256] and the tail past 512, consumer 1 Dk[256:512] at MLA dims); then the slot is free and the
+  producer gathers the next step while the consumers form dK rows.
+- dK rows: dKV = dS^T Q + P^T dO (the latter over the first Dv columns: the values are the key rows'
+  prefix), in 64-column chunks split between the consumers (warpgroup MMA with the transposed P and dS
+  tiles read from shared memory), each chunk added from registers into an f32 [S, Dk] buffer in
+  global memory with `red.global.v2.f32.add` at the gathered key's row (`_scatter_add`). Invalid
+  slots add nothing; repeated indices add once per occurrence (separate atomic adds).
+
+delta = rowsum(dO * O) - dlse and the base-2 lse are formed by XLA beforehand; the sinks need nothing
+here (the saved lse holds them; dsinks is the caller's XLA sum). dq comes out in q's dtype, dK in f32.
+
+Shapes: q [B, T, H, Dk], k [B, S, 1, Dk], indices int32 [B, T, K], out and dout [B, T, H, Dv],
+lse and dlse f32 [B, T, H] -> dq [B, T, H, Dk], dk f32 [B, S, 1, Dk] (value gradient included).
+
+Shared memory at MLA dims: Q 72 KiB, dO 64, the key tile 72, P and dS 8 each: 224 KiB of the 227.
+Nothing here runs on CPU: it needs sm_90a (wgmma, cp.async into swizzled tiles, vector red).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import arith, vector
+from jaxlib.mlir.dialects import llvm  # jax.extend.mlir has no llvm dialect; jaxlib's own bindings, as mgpu_forward
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.sparse_attention import mgpu_forward as fwd
+
+_HEADS = fwd._HEADS
+_BLOCK_K = 64  # keys a step: dK's rows are one warpgroup MMA's M
+_LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Register splits of the three warpgroups (consumers, producer)."""
+
+  consumer_registers: int = 232
+  producer_registers: int = 40
+
+
+def _column_groups(dk: int, dv: int):
+  """dQ's columns per consumer as (start, width) groups of <= 256 (one MMA's N): consumer 1 takes the
+  second quarter-to-half of the value columns, consumer 0 the rest (MLA: [0, 256) + [512, 576) and
+  [256, 512)), so the consumer that also forms dS holds fewer accumulators."""
+  half = dv // 2
+  first = [(0, half)] + ([(dv, dk - dv)] if dk > dv else [])
+  return first, [(half, dv - half)]
+
+
+def _dkv_chunks(dk: int, dv: int):
+  """dK's 64-column chunks per consumer: consumer 1 the chunks of its dQ columns, consumer 0 the others."""
+  half = dv // 2
+  chunks = list(range(0, dk, 64))
+  return [c for c in chunks if not half <= c < dv], [c for c in chunks if half <= c < dv]
+
+
+def _scatter_add(dk_ref, rows, keys, col0):
+  """dk_ref[keys[r], col0 + c] += rows[r, c] for the rows whose key is in [0, S), from registers.
+
+  `dk_ref` f32 [S, Dk] in global memory; `rows` f32 [64, N] and `keys` int32 [64, N] (each row's key,
+  broadcast along the columns) in the warpgroup-MMA layout. Each register holds two adjacent columns
+  of one row: one `red.global.v2.f32.add` each (relaxed, GPU scope: nothing reads dk before the end).
+  """
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA, plgpu.Layout.WGMMA))
+  def scatter(ctx, dk_ref, rows, keys):
+    del ctx
+    i32, i64, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.F32Type.get()
+    num_keys, dk = ir.MemRefType(dk_ref.type).shape
+    base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(dk_ref))
+    for reg, key_reg, (_, col) in zip(rows.registers.flat, keys.registers.flat,
+                                      rows.layout.thread_idxs(rows.shape), strict=True):
+      key = vector.extract(key_reg, [], [0])
+      valid = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, key, fwd._c(0, i32)),
+                         arith.cmpi(arith.CmpIPredicate.slt, key, fwd._c(num_keys, i32)))
+      col = arith.index_cast(i64, col)
+      offset = arith.addi(arith.muli(arith.extsi(i64, key), fwd._c(dk, i64)), arith.addi(col, fwd._c(col0, i64)))
+      ptr = mgpu_utils.getelementptr(base, [offset], f32)
+      lo, hi = vector.extract(reg, [], [0]), vector.extract(reg, [], [1])
+      mgpu_utils.inline_ptx("red.global.v2.f32.add [$0], {$1, $2};", ptr, lo, hi, predicate=valid)
+
+  scatter(dk_ref, rows, keys)
+
+
+def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, steps_gmem, dk_gmem, dq_gmem, *,
+                     scale, consumer_registers, producer_registers):
+  # Inputs: q [B, T, H, Dk], k [B, S, Dk], indices int32 [B, T, K_pad], dout [B, T, H, Dv], lse2 f32
+  # [B, T, H] (lse log2 e, 0 where -inf), delta f32 [B, T, H], steps int32 [B, T] (live steps),
+  # dk f32 [B, S, Dk] (a zeroed Ref that takes the atomic adds). Output: dq [B, T, H, Dk].
+  num_keys, dk = k_gmem.shape[1:]
+  dv = do_gmem.shape[3]
+  T, n_heads = q_gmem.shape[1], q_gmem.shape[2] // _HEADS
+  cta = lax.axis_index("cta")
+  h, t, b = lax.rem(cta, n_heads), lax.rem(lax.div(cta, n_heads), T), lax.div(cta, n_heads * T)
+  dtype = q_gmem.dtype
+  heads = pl.ds(h * _HEADS, _HEADS)
+  groups, chunks = _column_groups(dk, dv), _dkv_chunks(dk, dv)
+  row = plgpu.Layout.WGMMA.reduce(1)  # one value per head (S, dP) or per key (dK rows)
+  c = scale * _LOG2E
+
+  def body(q_smem, do_smem, k_smem, p_smem, ds_smem, bars, q_bar, do_bar, p_ready, ds_ready, pds_free):
+    wg = lax.axis_index("wg")
+    n_steps = steps_gmem[b, t]
+    fwd._init_gather_barriers(bars)
+    wait_rows, free_slot = functools.partial(fwd._wait_rows, bars), functools.partial(fwd._free_slot, bars)
+    step_ids = lambda i, layout: plgpu.load(idx_gmem.at[b, t, pl.ds(i * _BLOCK_K, _BLOCK_K)], layout=layout,
+                                            optimized=False)
+    key_tile = k_smem.at[0]
+
+    def dq_update(accs, my_groups):
+      def mma(acc_refs):
+        for acc_ref, (col, width) in zip(acc_refs, my_groups):
+          plgpu.wgmma(acc_ref, ds_smem, k_smem.at[0, :, pl.ds(col, width)])
+      return tuple(pl.run_state(mma)([plgpu.ACC.init(a) for a in accs]))
+
+    def dkv(i, my_chunks):
+      keys = lax.broadcast_in_dim(step_ids(i, row), (_BLOCK_K, 64), [0])
+      for col in my_chunks:
+        def mma(acc_ref, col=col):
+          plgpu.wgmma(acc_ref, ds_smem.transpose((1, 0)), q_smem.at[:, pl.ds(col, 64)])
+          if col < dv:
+            plgpu.wgmma(acc_ref, p_smem.transpose((1, 0)), do_smem.at[:, pl.ds(col, 64)])
+          return acc_ref[...]
+        rows = pl.run_scoped(mma, plgpu.ACC((_BLOCK_K, 64), jnp.float32))
+        _scatter_add(dk_gmem.at[b], rows, keys, col)
+
+    def store_dq(accs, my_groups):
+      for acc, (col, width) in zip(accs, my_groups):
+        key_tile[:, pl.ds(col, width)] = acc.astype(dtype)  # this consumer's columns of the tile are free
+      plgpu.commit_smem()
+      for col, width in my_groups:
+        for r in range(_HEADS // 8):  # a TMA store reads contiguous shared memory: one 8-row tile row each
+          plgpu.copy_smem_to_gmem(key_tile.at[pl.ds(8 * r, 8), pl.ds(col, width)],
+                                  dq_gmem.at[b, t, pl.ds(h * _HEADS + 8 * r, 8), pl.ds(col, width)])
+      plgpu.wait_smem_to_gmem(0)
+
+    zeros = lambda width: plgpu.layout_cast(jnp.zeros((_HEADS, width), jnp.float32), plgpu.Layout.WGMMA)
+
+    @pl.when(wg == 0)
+    def _probabilities_wg():
+      plgpu.set_max_registers(consumer_registers, action="increase")
+      plgpu.copy_gmem_to_smem(q_gmem.at[b, t, heads], q_smem, q_bar)
+      plgpu.copy_gmem_to_smem(do_gmem.at[b, t, heads], do_smem, do_bar)
+      lse2 = plgpu.load(lse_gmem.at[b, t, heads], layout=row, optimized=False)
+      plgpu.barrier_arrive(pds_free)
+      plgpu.barrier_wait(q_bar)
+      plgpu.barrier_wait(do_bar)
+
+      def step(i, accs):
+        ids = step_ids(i, plgpu.Layout.WGMMA.reduce(0))
+        wait_rows(i)
+
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, key_tile.transpose((1, 0)))
+          return acc_ref[...]
+        s = pl.run_scoped(qk, plgpu.ACC((_HEADS, _BLOCK_K), jnp.float32))
+        valid = lax.broadcast_in_dim((ids >= 0) & (ids < num_keys), s.shape, [1])
+        p = jnp.where(valid, jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0])), 0.0)
+        plgpu.barrier_wait(pds_free)  # both consumers are done with the previous P and dS
+        p_smem[...] = p.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_ready)
+        plgpu.barrier_wait(ds_ready)
+        accs = dq_update(accs, groups[0])
+        free_slot(i)
+        dkv(i, chunks[0])
+        plgpu.barrier_arrive(pds_free)
+        return accs
+
+      accs = lax.fori_loop(0, n_steps, step, tuple(zeros(w) for _, w in groups[0]))
+      store_dq(accs, groups[0])
+
+    @pl.when(wg == 1)
+    def _gradient_wg():
+      plgpu.set_max_registers(consumer_registers, action="increase")
+      delta = plgpu.load(delta_gmem.at[b, t, heads], layout=row, optimized=False)
+      plgpu.barrier_arrive(pds_free)
+      plgpu.barrier_wait(q_bar)
+      plgpu.barrier_wait(do_bar)
+
+      def step(i, accs):
+        wait_rows(i)
+
+        def dov(acc_ref):
+          plgpu.wgmma(acc_ref, do_smem, key_tile.at[:, pl.ds(0, dv)].transpose((1, 0)))
+          return acc_ref[...]
+        dp = pl.run_scoped(dov, plgpu.ACC((_HEADS, _BLOCK_K), jnp.float32))
+        plgpu.barrier_wait(p_ready)
+        p = plgpu.load(p_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0])) * scale
+        ds_smem[...] = ds.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_ready)
+        accs = dq_update(accs, groups[1])
+        free_slot(i)
+        dkv(i, chunks[1])
+        plgpu.barrier_arrive(pds_free)
+        return accs
+
+      accs = lax.fori_loop(0, n_steps, step, tuple(zeros(w) for _, w in groups[1]))
+      store_dq(accs, groups[1])
+
+    @pl.when(wg == 2)
+    def _gather_wg():
+      plgpu.set_max_registers(producer_registers, action="decrease")
+      fwd._gather_steps(k_gmem.at[b], idx_gmem.at[b, t], k_smem, bars, jnp.asarray(n_steps, jnp.int32),
+                        zero_fill=True)
+
+  tile = fwd._transforms(_BLOCK_K, dtype)
+  pl.run_scoped(
+      body,
+      plgpu.SMEM((_HEADS, dk), dtype, transforms=fwd._KEY_TRANSFORMS),
+      plgpu.SMEM((_HEADS, dv), dtype, transforms=fwd._KEY_TRANSFORMS),
+      plgpu.SMEM((1, _BLOCK_K, dk), dtype, transforms=fwd._KEY_TRANSFORMS),
+      plgpu.SMEM((_HEADS, _BLOCK_K), dtype, transforms=tile),
+      plgpu.SMEM((_HEADS, _BLOCK_K), dtype, transforms=tile),
+      plgpu.SMEM((4,), jnp.float32),  # the gather's "rows ready" and "slot free" mbarriers (one stage)
+      plgpu.Barrier(),
+      plgpu.Barrier(),
+      plgpu.Barrier(),
+      plgpu.Barrier(),
+      plgpu.Barrier(num_arrivals=2),
+      collective_axes="wg",
+  )
+
+
+def check_applies(q, k, v, value_dim, deterministic=False):
+  """Raises NotImplementedError unless this kernel takes the shapes (the caller then runs Triton)."""
+  B, T, H, Dk = q.shape
+  Dv = Dk if value_dim is None else value_dim
+  if deterministic:
+    raise NotImplementedError("the Mosaic GPU backward adds dK atomically (no deterministic mode)")
+  if v is not None or k.shape[2] != 1:
+    raise NotImplementedError("the Mosaic GPU backward takes values from the key rows and one key head")
+  if H % _HEADS or Dk % 64 or Dv % 128 or Dv > min(Dk, 512) or Dk > 576:
+    raise NotImplementedError(f"the Mosaic GPU backward needs H % 64 == 0, Dk % 64 == 0, Dk <= 576, Dv % 128 == 0, "
+                              f"Dv <= min(Dk, 512); got {H=}, {Dk=}, {Dv=}")
+  if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
+    raise NotImplementedError(f"the Mosaic GPU backward takes bf16/f16 q and k, got {q.dtype}, {k.dtype}")
+
+
+def sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, *, scale, config: Config | None = None):
+  """(dq in q.dtype [B, T, H, Dk], dk f32 [B, S, 1, Dk]) for values = k[..., :Dv] (Dv = out's last dim).
+
+  Args:
+    q: bf16|f16 [B, T, H, Dk]; k: [B, S, 1, Dk]; indices: int [B, T, K], entries outside [0, S)
+      skipped; out, dout: [B, T, H, Dv]; lse, dlse: f32 [B, T, H] (lse natural-log, -inf for an empty
+      row, as the forward saves it). dk holds the key and the value gradient (f32 atomic sums, in
+      an order that varies run to run).
+
+  Raises:
+    NotImplementedError: shapes outside `check_applies`.
+  """
+  check_applies(q, k, None, out.shape[-1])
+  config = config or Config()
+  B, T, H, Dk = q.shape
+  S = k.shape[1]
+  K = indices.shape[2]
+  K_pad = -(-K // _BLOCK_K) * _BLOCK_K
+  indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, K_pad - K)), constant_values=-1)
+  f32 = lambda x: x.astype(jnp.float32)
+  delta = jnp.sum(f32(dout) * f32(out), axis=-1) - f32(dlse)
+  lse2 = jnp.where(jnp.isfinite(lse), f32(lse) * _LOG2E, 0.0)  # an empty row's P is 0 by its mask
+  dk_acc = jax.new_ref(jnp.zeros((B, S, Dk), jnp.float32))
+  kernel = functools.partial(_backward_kernel, scale=float(scale), consumer_registers=config.consumer_registers,
+                             producer_registers=config.producer_registers)
+  dq = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((B, T, H, Dk), q.dtype),
+      grid=(B * T * (H // _HEADS),),
+      grid_names=("cta",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      kernel_name="hyscale_sparse_attention_bwd",
+  )(q, k[:, :, 0], indices, dout.astype(q.dtype), lse2, delta, fwd.live_steps(indices, S, _BLOCK_K), dk_acc)
+  return dq, dk_acc[...][:, :, None]

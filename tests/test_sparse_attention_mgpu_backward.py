@@ -1,0 +1,155 @@
+"""The Mosaic GPU sparse-attention backward: it lowers for an H200 on CPU; on the GPU it matches the reference.
+
+GPU tests: `JAX_PLATFORMS=cuda pytest -m gpu_only tests/test_sparse_attention_mgpu_backward.py`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hyscale_jax.ops.sparse_attention.reference import (
+    sparse_attention_backward_reference,
+    sparse_attention_forward_reference,
+)
+from pallas_kernels.sparse_attention import sparse_attention as pallas_sa
+from pallas_kernels.sparse_attention.mgpu_backward import check_applies, sparse_attention_backward_mgpu
+
+_ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU")
+_MOSAIC = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("mosaic_gpu", "mosaic_gpu_v2")]
+
+
+class _FakeHopper:
+  """What Mosaic GPU reads from `jax.devices()[0]` on an H200."""
+  platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H200", "9.0", 132
+
+
+def _avals(B, T, H, K, S, Dk, Dv):
+  shapes = [((B, T, H, Dk), jnp.bfloat16), ((B, S, 1, Dk), jnp.bfloat16), ((B, T, K), jnp.int32),
+            ((B, T, H, Dv), jnp.bfloat16), ((B, T, H), jnp.float32), ((B, T, H, Dv), jnp.bfloat16),
+            ((B, T, H), jnp.float32)]
+  return [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+
+
+@pytest.mark.parametrize("B, T, H, K, Dk, Dv", [
+    (1, 5, 64, 200, 576, 512),  # absorbed MLA, the selection padded to the step
+    (2, 3, 128, 64, 576, 512),  # two head blocks a token
+    (1, 3, 64, 130, 512, 512),  # DeepSeek-V4: K = V
+])
+def test_lowers_for_h200(B, T, H, K, Dk, Dv, monkeypatch):
+  monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
+  f = functools.partial(sparse_attention_backward_mgpu, scale=Dk**-0.5)
+  exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=_MOSAIC)(*_avals(B, T, H, K, 77, Dk, Dv))
+  assert exported.mlir_module().count("custom_call @mosaic_gpu") == 1
+  assert [(a.shape, a.dtype) for a in exported.out_avals] == [((B, T, H, Dk), jnp.bfloat16), ((B, 77, 1, Dk), jnp.float32)]
+
+
+@pytest.mark.parametrize("change", ["values", "heads", "groups", "f32", "wide_keys", "deterministic"])
+def test_declines(change):
+  H, G = (48 if change == "heads" else 64), (2 if change == "groups" else 1)
+  dtype = jnp.float32 if change == "f32" else jnp.bfloat16
+  Dk = 640 if change == "wide_keys" else 576
+  q, k = jnp.zeros((1, 2, H, Dk), dtype), jnp.zeros((1, 8, G, Dk), dtype)
+  v = jnp.zeros((1, 8, G, 512), dtype) if change == "values" else None
+  with pytest.raises(NotImplementedError):
+    check_applies(q, k, v, 512, deterministic=change == "deterministic")
+
+
+def _lowered_backward(config, monkeypatch, heads=64, deterministic=False):
+  """The custom calls of the `pallas` backward compiled for a (faked) H200 at MLA dims."""
+  monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  B, T, K, S = 1, 3, 64, 40
+  avals = _avals(B, T, heads, K, S, 576, 512)
+
+  def bwd(q, k, idx, out, lse, dout, dlse):
+    return pallas_sa.sparse_attention_backward_pallas((q, k, None, idx, None, out, lse), (dout, dlse), scale=0.04,
+                                                      config=config, interpret=False,
+                                                      deterministic=deterministic)[:2]
+
+  checks = _MOSAIC + [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")  # what Triton's lowering reads
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200, axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.export.export(jax.jit(bwd), platforms=["cuda"], disabled_checks=checks)(*avals).mlir_module()
+  return {name for name in ("mosaic_gpu", "__gpu$xla.gpu.triton") if f"custom_call @{name}" in text}
+
+
+@pytest.mark.parametrize("backward, heads, expected", [
+    ("mosaic", 64, {"mosaic_gpu"}),
+    ("triton", 64, {"__gpu$xla.gpu.triton"}),
+    ("auto", 32, {"__gpu$xla.gpu.triton"}),  # 32 heads: the Mosaic kernel declines
+])
+def test_pallas_backward_dispatch(backward, heads, expected, monkeypatch):
+  assert _lowered_backward(pallas_sa.Config(backward=backward), monkeypatch, heads) == expected
+
+
+def test_pallas_backward_mosaic_request_raises_where_it_does_not_apply(monkeypatch):
+  with pytest.raises(NotImplementedError, match="H % 64"):
+    _lowered_backward(pallas_sa.Config(backward="mosaic"), monkeypatch, heads=32)
+  with pytest.raises(ValueError, match="Config.backward"):
+    pallas_sa.Config(backward="cuda")
+
+
+# ---- GPU only: against the reference ----
+
+def _inputs(B, T, S, H, K, Dk, seed=0):
+  """Random causal selections with the adversarial rows: shorter than K (-1 tails), one empty row, one
+  index only in the last slot, an out-of-range index, and a row with repeated indices."""
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((B, T, H, Dk)).astype(np.float32)
+  k = rng.standard_normal((B, S, 1, Dk)).astype(np.float32)
+  t = np.arange(T)[:, None] + (S - T)
+  idx = rng.integers(0, S, (B, T, K)) % (t + 1)
+  idx = np.where(np.arange(K)[None] > t, -1, idx).astype(np.int32)
+  idx[0, 1] = -1  # an empty row
+  idx[0, 2] = -1
+  idx[0, 2, -1] = 0  # one valid index, in the last slot
+  idx[-1, -1, 3] = S + 2  # out of range: skipped
+  idx[-1, -1, 4:70] = idx[-1, -1, 70]  # repeated within a row and across steps: added once per occurrence
+  idx[-1, -2, :] = 5  # every slot the same key
+  dout = rng.standard_normal((B, T, H, min(Dk, 512))).astype(np.float32)
+  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+  return bf(q), bf(k), jnp.asarray(idx), bf(dout)
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@pytest.mark.gpu_only
+@_ON_GPU
+@pytest.mark.parametrize("B, T, S, H, K, Dk, sinks", [
+    (1, 130, 130, 64, 2048, 576, False),
+    (2, 70, 300, 128, 200, 576, False),
+    (1, 130, 130, 64, 700, 576, True),
+    (2, 70, 300, 64, 200, 512, True),  # DeepSeek-V4: K = V, sinks
+])
+def test_matches_reference(B, T, S, H, K, Dk, sinks):
+  q, k, idx, dout = _inputs(B, T, S, H, K, Dk)
+  Dv, scale = min(Dk, 512), Dk**-0.5
+  sink = jnp.asarray(np.random.default_rng(5).standard_normal(H) * 2, jnp.float32) if sinks else None
+  out, lse = sparse_attention_forward_reference(q, k, k[..., :Dv], idx, scale=scale, sinks=sink)
+  dlse = jnp.asarray(np.random.default_rng(6).standard_normal(lse.shape) * 0.1, jnp.float32)
+  dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)
+  res = (q, k, None, idx, sink, out, lse)
+  for shape, dtype in ((q.shape, q.dtype), ((B, S, Dk), jnp.float32)):  # poison: freed NaN buffers of dq's and dk's sizes
+    jnp.full(shape, jnp.nan, dtype).block_until_ready().delete()
+  dq, dk, dv, dsinks = jax.jit(functools.partial(pallas_sa.sparse_attention_backward_pallas, scale=scale,
+                                                 config=pallas_sa.Config(backward="mosaic")))(res, (dout, dlse))
+  assert dv is None
+  dq_r, dk_r, dv_r, dsinks_r = sparse_attention_backward_reference(
+      (q, k, k[..., :Dv], idx, sink, out, lse), (dout, dlse), scale=scale)
+  dk_r = dk_r.astype(jnp.float32).at[..., :Dv].add(dv_r.astype(jnp.float32))
+  dq, dk = np.asarray(dq, np.float32), np.asarray(dk, np.float32)
+  assert not np.isnan(dq).any() and not np.isnan(dk).any()
+  np.testing.assert_array_equal(dq[0, 1], 0.0)  # the empty row
+  assert _rel(dq, dq_r) < 1e-2, _rel(dq, dq_r)
+  assert _rel(dk, dk_r) < 1e-2, _rel(dk, dk_r)
+  never = np.setdiff1d(np.arange(S), np.asarray(idx).ravel())
+  np.testing.assert_array_equal(dk[:, never], 0.0)  # keys nobody selected get nothing
+  if sinks:
+    np.testing.assert_allclose(np.asarray(dsinks), np.asarray(dsinks_r), rtol=1e-3, atol=1e-3)
