@@ -15,7 +15,7 @@ from hyscale_jax.ops.sparse_attention.reference import (
     sparse_attention_forward_reference,
 )
 from pallas_kernels.sparse_attention import sparse_attention as pallas_sa
-from pallas_kernels.sparse_attention.mgpu_backward import check_applies, sparse_attention_backward_mgpu
+from pallas_kernels.sparse_attention.mgpu_backward import Config, check_applies, sparse_attention_backward_mgpu
 
 _ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU")
 _MOSAIC = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("mosaic_gpu", "mosaic_gpu_v2")]
@@ -33,14 +33,15 @@ def _avals(B, T, H, K, S, Dk, Dv):
   return [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
 
 
-@pytest.mark.parametrize("B, T, H, K, Dk, Dv", [
-    (1, 5, 64, 200, 576, 512),  # absorbed MLA, the selection padded to the step
-    (2, 3, 128, 64, 576, 512),  # two head blocks a token
-    (1, 3, 64, 130, 512, 512),  # DeepSeek-V4: K = V
+@pytest.mark.parametrize("B, T, H, K, Dk, Dv, config", [
+    (1, 5, 64, 200, 576, 512, None),  # absorbed MLA, the selection padded to the step
+    (2, 3, 128, 64, 576, 512, Config(red_width=4)),  # two head blocks a token
+    (1, 3, 64, 130, 512, 512, Config(dkv_cols=128)),  # DeepSeek-V4: K = V
+    (1, 3, 64, 64, 576, 512, Config(red_width=4, dkv_cols=128)),
 ])
-def test_lowers_for_h200(B, T, H, K, Dk, Dv, monkeypatch):
+def test_lowers_for_h200(B, T, H, K, Dk, Dv, config, monkeypatch):
   monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
-  f = functools.partial(sparse_attention_backward_mgpu, scale=Dk**-0.5)
+  f = functools.partial(sparse_attention_backward_mgpu, scale=Dk**-0.5, config=config)
   exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=_MOSAIC)(*_avals(B, T, H, K, 77, Dk, Dv))
   assert exported.mlir_module().count("custom_call @mosaic_gpu") == 1
   assert [(a.shape, a.dtype) for a in exported.out_avals] == [((B, T, H, Dk), jnp.bfloat16), ((B, 77, 1, Dk), jnp.float32)]
@@ -122,13 +123,16 @@ def _rel(a, b):
 
 @pytest.mark.gpu_only
 @_ON_GPU
-@pytest.mark.parametrize("B, T, S, H, K, Dk, sinks", [
-    (1, 130, 130, 64, 2048, 576, False),
-    (2, 70, 300, 128, 200, 576, False),
-    (1, 130, 130, 64, 700, 576, True),
-    (2, 70, 300, 64, 200, 512, True),  # DeepSeek-V4: K = V, sinks
+@pytest.mark.parametrize("B, T, S, H, K, Dk, sinks, variant", [
+    (1, 130, 130, 64, 2048, 576, False, "default"),
+    (2, 70, 300, 128, 200, 576, False, "default"),
+    (1, 130, 130, 64, 700, 576, True, "default"),
+    (2, 70, 300, 64, 200, 512, True, "default"),  # DeepSeek-V4: K = V, sinks
+    (2, 70, 300, 128, 200, 576, True, "red4"),
+    (2, 70, 300, 128, 200, 576, True, "red4_cols128"),
+    (2, 70, 300, 64, 200, 512, False, "cols128"),
 ])
-def test_matches_reference(B, T, S, H, K, Dk, sinks):
+def test_matches_reference(B, T, S, H, K, Dk, sinks, variant):
   q, k, idx, dout = _inputs(B, T, S, H, K, Dk)
   Dv, scale = min(Dk, 512), Dk**-0.5
   sink = jnp.asarray(np.random.default_rng(5).standard_normal(H) * 2, jnp.float32) if sinks else None
@@ -138,9 +142,15 @@ def test_matches_reference(B, T, S, H, K, Dk, sinks):
   res = (q, k, None, idx, sink, out, lse)
   for shape, dtype in ((q.shape, q.dtype), ((B, S, Dk), jnp.float32)):  # poison: freed NaN buffers of dq's and dk's sizes
     jnp.full(shape, jnp.nan, dtype).block_until_ready().delete()
-  dq, dk, dv, dsinks = jax.jit(functools.partial(pallas_sa.sparse_attention_backward_pallas, scale=scale,
-                                                 config=pallas_sa.Config(backward="mosaic")))(res, (dout, dlse))
-  assert dv is None
+  if variant == "default":  # through the pallas backend's dispatch
+    dq, dk, dv, dsinks = jax.jit(functools.partial(pallas_sa.sparse_attention_backward_pallas, scale=scale,
+                                                   config=pallas_sa.Config(backward="mosaic")))(res, (dout, dlse))
+    assert dv is None
+  else:
+    config = Config(red_width=4 if "red4" in variant else 2, dkv_cols=128 if "cols128" in variant else 64)
+    dq, dk = jax.jit(functools.partial(sparse_attention_backward_mgpu, scale=scale, config=config))(
+        q, k, idx, out, lse, dout, dlse)
+    dsinks, sinks = None, False
   dq_r, dk_r, dv_r, dsinks_r = sparse_attention_backward_reference(
       (q, k, k[..., :Dv], idx, sink, out, lse), (dout, dlse), scale=scale)
   dk_r = dk_r.astype(jnp.float32).at[..., :Dv].add(dv_r.astype(jnp.float32))
