@@ -27,8 +27,13 @@ from probe_sparse_attention_bwd import run_shape, stamp  # noqa: E402
 
 TRITON = dataclasses.replace(Config.backward_heuristics(576, 512, 2, 64, value_from_key=True), backward="triton")
 MOSAIC = mgpu_backward.Config
+_R240 = dict(consumer_registers=240, producer_registers=24)
 VARIANTS = {"triton": TRITON, "mosaic_red2_cols64": MOSAIC(), "mosaic_red4_cols64": MOSAIC(red_width=4),
-            "mosaic_red2_cols128": MOSAIC(dkv_cols=128), "mosaic_red4_cols128": MOSAIC(red_width=4, dkv_cols=128)}
+            "mosaic_red2_cols128": MOSAIC(dkv_cols=128), "mosaic_red4_cols128": MOSAIC(red_width=4, dkv_cols=128),
+            "c128_r240": MOSAIC(dkv_cols=128, **_R240), "c128_tail1": MOSAIC(dkv_cols=128, tail_on_second=True),
+            "c64_pipe": MOSAIC(dkv_pipeline=True), "c64_pipe_tail1": MOSAIC(dkv_pipeline=True, tail_on_second=True),
+            "c128_pipe_r240": MOSAIC(dkv_cols=128, dkv_pipeline=True, **_R240),
+            "c128_no_scatter": MOSAIC(dkv_cols=128, skip_scatter=True)}  # a diagnostic: dK stays zero
 _pallas_backward_fn = base.backward_fn
 
 
@@ -73,7 +78,7 @@ def main():
   ok = [r for r in rows if "ms" in r and not r["nan"] and max(r["dq_sampled_f32"], r["dk_sampled_f32"]) < 2e-2]
   best = min((r for r in ok if r["variant"] != "triton"), key=lambda r: r["ms"])["variant"]
   stamp(f"best at mla64 T={a.seq}: {best}")
-  pick = {k: VARIANTS[k] for k in (a.later_variants or [best])}
+  pick = {k: VARIANTS[k] for k in [best if n == "best" else n for n in (a.later_variants or ["best"])]}
   later = ([("mla64", a.long_seq, 3)] if a.long_seq else []) + ([("v4", a.seq, a.reps)] if a.v4 else [])
   for name, T, reps in later:
     if time.perf_counter() - t0 > a.budget_s:

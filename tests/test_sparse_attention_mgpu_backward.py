@@ -38,6 +38,8 @@ def _avals(B, T, H, K, S, Dk, Dv):
     (2, 3, 128, 64, 576, 512, Config(red_width=4)),  # two head blocks a token
     (1, 3, 64, 130, 512, 512, Config(dkv_cols=128)),  # DeepSeek-V4: K = V
     (1, 3, 64, 64, 576, 512, Config(red_width=4, dkv_cols=128)),
+    (1, 3, 64, 64, 576, 512, Config(dkv_pipeline=True, tail_on_second=True)),
+    (1, 3, 64, 64, 576, 512, Config(dkv_pipeline=True, dkv_cols=128, consumer_registers=240, producer_registers=24)),
 ])
 def test_lowers_for_h200(B, T, H, K, Dk, Dv, config, monkeypatch):
   monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])

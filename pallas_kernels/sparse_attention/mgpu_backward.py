@@ -58,6 +58,9 @@ class Config:
   producer_registers: int = 40
   red_width: int = 2  # f32s per atomic add: 2 (a register pair as the MMA leaves it) or 4 (pairs swapped between lanes)
   dkv_cols: int = 64  # columns of dK rows per MMA and scatter (64 or 128)
+  dkv_pipeline: bool = False  # issue the next chunk's MMAs before scattering this one's rows
+  tail_on_second: bool = False  # the dK chunk past Dv (dS^T Q only) goes to consumer 1, which holds fewer dQ columns
+  skip_scatter: bool = False  # a timing diagnostic only (dK stays zero): what the atomic adds cost
 
   def __post_init__(self):
     if self.red_width not in (2, 4):
@@ -75,12 +78,13 @@ def _column_groups(dk: int, dv: int):
   return first, [(half, dv - half)]
 
 
-def _dkv_chunks(dk: int, dv: int, width: int):
+def _dkv_chunks(dk: int, dv: int, width: int, tail_on_second: bool = False):
   """dK's column chunks (start, width) per consumer, at most `width` wide and never across Dv/2 or Dv:
-  consumer 1 the chunks of its dQ columns, consumer 0 the others."""
+  consumer 1 the chunks of its dQ columns (and, `tail_on_second`, those past Dv), consumer 0 the others."""
   half = dv // 2
   chunks = [(c, min(width, end - c)) for start, end in ((0, half), (half, dv), (dv, dk)) for c in range(start, end, width)]
-  return [c for c in chunks if not half <= c[0] < dv], [c for c in chunks if half <= c[0] < dv]
+  second = lambda c: half <= c < dv or (tail_on_second and c >= dv)
+  return [c for c in chunks if not second(c[0])], [c for c in chunks if second(c[0])]
 
 
 def _scatter_add(dk_ref, rows, keys, col0, red_width):
@@ -152,7 +156,8 @@ def _scatter_add4(dk_ref, rows, keys, col0):
 
 
 def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, steps_gmem, dk_gmem, dq_gmem, *,
-                     scale, consumer_registers, producer_registers, red_width, dkv_cols):
+                     scale, consumer_registers, producer_registers, red_width, dkv_cols, dkv_pipeline,
+                     tail_on_second, skip_scatter):
   # Inputs: q [B, T, H, Dk], k [B, S, Dk], indices int32 [B, T, K_pad], dout [B, T, H, Dv], lse2 f32
   # [B, T, H] (lse log2 e, 0 where -inf), delta f32 [B, T, H], steps int32 [B, T] (live steps),
   # dk f32 [B, S, Dk] (a zeroed Ref that takes the atomic adds). Output: dq [B, T, H, Dk].
@@ -163,7 +168,7 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
   h, t, b = lax.rem(cta, n_heads), lax.rem(lax.div(cta, n_heads), T), lax.div(cta, n_heads * T)
   dtype = q_gmem.dtype
   heads = pl.ds(h * _HEADS, _HEADS)
-  groups, chunks = _column_groups(dk, dv), _dkv_chunks(dk, dv, dkv_cols)
+  groups, chunks = _column_groups(dk, dv), _dkv_chunks(dk, dv, dkv_cols, tail_on_second)
   row = plgpu.Layout.WGMMA.reduce(1)  # one value per head (S, dP) or per key (dK rows)
   c = scale * _LOG2E
 
@@ -182,7 +187,34 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
           plgpu.wgmma(acc_ref, ds_smem, k_smem.at[0, :, pl.ds(col, width)])
       return tuple(pl.run_state(mma)([plgpu.ACC.init(a) for a in accs]))
 
+    def scatter(ids, rows, col, width):
+      if not skip_scatter:
+        _scatter_add(dk_gmem.at[b], rows, lax.broadcast_in_dim(ids, (_BLOCK_K, width), [0]), col, red_width)
+
+    def dkv_pipelined(i, my_chunks):
+      """Chunk n + 1's MMAs run while chunk n's rows are added (one accumulator per chunk; two live)."""
+      ids = step_ids(i, row)
+
+      def issue(acc_ref, col, width):
+        plgpu.wgmma(acc_ref, ds_smem.transpose((1, 0)), q_smem.at[:, pl.ds(col, width)])
+        if col < dv:
+          plgpu.wgmma(acc_ref, p_smem.transpose((1, 0)), do_smem.at[:, pl.ds(col, width)])
+
+      def body(*acc_refs):
+        issue(acc_refs[0], *my_chunks[0])
+        for n, (col, width) in enumerate(my_chunks):
+          pending = 0
+          if n + 1 < len(my_chunks):
+            issue(acc_refs[n + 1], *my_chunks[n + 1])
+            pending = 2 if my_chunks[n + 1][0] < dv else 1  # each wgmma call is one commit group
+          scatter(ids, plgpu.wgmma_accumulator_load(acc_refs[n], wait_n=pending), col, width)
+
+      pl.run_scoped(body, *[plgpu.ACC((_BLOCK_K, width), jnp.float32) for _, width in my_chunks])
+
     def dkv(i, my_chunks):
+      if dkv_pipeline:
+        dkv_pipelined(i, my_chunks)
+        return
       ids = step_ids(i, row)
       for col, width in my_chunks:
         def mma(acc_ref, col=col, width=width):
@@ -190,8 +222,7 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
           if col < dv:
             plgpu.wgmma(acc_ref, p_smem.transpose((1, 0)), do_smem.at[:, pl.ds(col, width)])
           return acc_ref[...]
-        rows = pl.run_scoped(mma, plgpu.ACC((_BLOCK_K, width), jnp.float32))
-        _scatter_add(dk_gmem.at[b], rows, lax.broadcast_in_dim(ids, (_BLOCK_K, width), [0]), col, red_width)
+        scatter(ids, pl.run_scoped(mma, plgpu.ACC((_BLOCK_K, width), jnp.float32)), col, width)
 
     def store_dq(accs, my_groups):
       for acc, (col, width) in zip(accs, my_groups):
@@ -333,7 +364,8 @@ def sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, *, scale
   dk_acc = jax.new_ref(jnp.zeros((B, S, Dk), jnp.float32))
   kernel = functools.partial(_backward_kernel, scale=float(scale), consumer_registers=config.consumer_registers,
                              producer_registers=config.producer_registers, red_width=config.red_width,
-                             dkv_cols=config.dkv_cols)
+                             dkv_cols=config.dkv_cols, dkv_pipeline=config.dkv_pipeline,
+                             tail_on_second=config.tail_on_second, skip_scatter=config.skip_scatter)
   dq = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((B, T, H, Dk), q.dtype),
