@@ -27,13 +27,9 @@ from probe_sparse_attention_bwd import run_shape, stamp  # noqa: E402
 
 TRITON = dataclasses.replace(Config.backward_heuristics(576, 512, 2, 64, value_from_key=True), backward="triton")
 MOSAIC = mgpu_backward.Config
-_R240 = dict(consumer_registers=240, producer_registers=24)
-VARIANTS = {"triton": TRITON, "mosaic_red2_cols64": MOSAIC(), "mosaic_red4_cols64": MOSAIC(red_width=4),
-            "mosaic_red2_cols128": MOSAIC(dkv_cols=128), "mosaic_red4_cols128": MOSAIC(red_width=4, dkv_cols=128),
-            "c128_r240": MOSAIC(dkv_cols=128, **_R240), "c128_tail1": MOSAIC(dkv_cols=128, tail_on_second=True),
-            "c64_pipe": MOSAIC(dkv_pipeline=True), "c64_pipe_tail1": MOSAIC(dkv_pipeline=True, tail_on_second=True),
-            "c128_pipe_r240": MOSAIC(dkv_cols=128, dkv_pipeline=True, **_R240),
-            "c128_no_scatter": MOSAIC(dkv_cols=128, skip_scatter=True)}  # a diagnostic: dK stays zero
+VARIANTS = {"triton": TRITON, "mosaic": MOSAIC(), "mosaic_cols64": MOSAIC(dkv_cols=64),
+            "mosaic_regs232": MOSAIC(consumer_registers=232, producer_registers=40),
+            "mosaic_no_scatter": MOSAIC(skip_scatter=True)}  # a diagnostic: dK stays zero
 _pallas_backward_fn = base.backward_fn
 
 

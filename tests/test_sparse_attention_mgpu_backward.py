@@ -35,11 +35,9 @@ def _avals(B, T, H, K, S, Dk, Dv):
 
 @pytest.mark.parametrize("B, T, H, K, Dk, Dv, config", [
     (1, 5, 64, 200, 576, 512, None),  # absorbed MLA, the selection padded to the step
-    (2, 3, 128, 64, 576, 512, Config(red_width=4)),  # two head blocks a token
-    (1, 3, 64, 130, 512, 512, Config(dkv_cols=128)),  # DeepSeek-V4: K = V
-    (1, 3, 64, 64, 576, 512, Config(red_width=4, dkv_cols=128)),
-    (1, 3, 64, 64, 576, 512, Config(dkv_pipeline=True, tail_on_second=True)),
-    (1, 3, 64, 64, 576, 512, Config(dkv_pipeline=True, dkv_cols=128, consumer_registers=240, producer_registers=24)),
+    (2, 3, 128, 64, 576, 512, Config(dkv_cols=64)),  # two head blocks a token
+    (1, 3, 64, 130, 512, 512, None),  # DeepSeek-V4: K = V
+    (1, 3, 64, 64, 576, 512, Config(consumer_registers=232, producer_registers=40, skip_scatter=True)),
 ])
 def test_lowers_for_h200(B, T, H, K, Dk, Dv, config, monkeypatch):
   monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
@@ -47,6 +45,16 @@ def test_lowers_for_h200(B, T, H, K, Dk, Dv, config, monkeypatch):
   exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=_MOSAIC)(*_avals(B, T, H, K, 77, Dk, Dv))
   assert exported.mlir_module().count("custom_call @mosaic_gpu") == 1
   assert [(a.shape, a.dtype) for a in exported.out_avals] == [((B, T, H, Dk), jnp.bfloat16), ((B, 77, 1, Dk), jnp.float32)]
+
+
+def test_config():
+  with pytest.raises(ValueError, match="dkv_cols"):
+    Config(dkv_cols=256)
+  from pallas_kernels.sparse_attention.mgpu_backward import _column_groups, _dkv_chunks  # noqa: PLC0415
+  assert _column_groups(576, 512) == ([(0, 256), (512, 64)], [(256, 256)])
+  assert _dkv_chunks(576, 512, 128) == ([(0, 128), (128, 128), (512, 64)], [(256, 128), (384, 128)])
+  assert _dkv_chunks(512, 512, 64) == ([(0, 64), (64, 64), (128, 64), (192, 64)],
+                                       [(256, 64), (320, 64), (384, 64), (448, 64)])
 
 
 @pytest.mark.parametrize("change", ["values", "heads", "groups", "f32", "wide_keys", "deterministic"])
@@ -80,13 +88,16 @@ def _lowered_backward(config, monkeypatch, heads=64, deterministic=False):
   return {name for name in ("mosaic_gpu", "__gpu$xla.gpu.triton") if f"custom_call @{name}" in text}
 
 
-@pytest.mark.parametrize("backward, heads, expected", [
-    ("mosaic", 64, {"mosaic_gpu"}),
-    ("triton", 64, {"__gpu$xla.gpu.triton"}),
-    ("auto", 32, {"__gpu$xla.gpu.triton"}),  # 32 heads: the Mosaic kernel declines
+@pytest.mark.parametrize("backward, heads, deterministic, expected", [
+    ("auto", 64, False, {"mosaic_gpu"}),
+    ("mosaic", 64, False, {"mosaic_gpu"}),
+    ("triton", 64, False, {"__gpu$xla.gpu.triton"}),
+    ("auto", 32, False, {"__gpu$xla.gpu.triton"}),  # 32 heads: the Mosaic kernel declines
+    ("auto", 64, True, {"__gpu$xla.gpu.triton"}),  # deterministic: Triton's slabs
 ])
-def test_pallas_backward_dispatch(backward, heads, expected, monkeypatch):
-  assert _lowered_backward(pallas_sa.Config(backward=backward), monkeypatch, heads) == expected
+def test_pallas_backward_dispatch(backward, heads, deterministic, expected, monkeypatch):
+  config = pallas_sa.Config(backward=backward)
+  assert _lowered_backward(config, monkeypatch, heads, deterministic) == expected
 
 
 def test_pallas_backward_mosaic_request_raises_where_it_does_not_apply(monkeypatch):
@@ -130,9 +141,7 @@ def _rel(a, b):
     (2, 70, 300, 128, 200, 576, False, "default"),
     (1, 130, 130, 64, 700, 576, True, "default"),
     (2, 70, 300, 64, 200, 512, True, "default"),  # DeepSeek-V4: K = V, sinks
-    (2, 70, 300, 128, 200, 576, True, "red4"),
-    (2, 70, 300, 128, 200, 576, True, "red4_cols128"),
-    (2, 70, 300, 64, 200, 512, False, "cols128"),
+    (2, 70, 300, 128, 200, 576, True, "cols64"),
 ])
 def test_matches_reference(B, T, S, H, K, Dk, sinks, variant):
   q, k, idx, dout = _inputs(B, T, S, H, K, Dk)
@@ -149,7 +158,7 @@ def test_matches_reference(B, T, S, H, K, Dk, sinks, variant):
                                                    config=pallas_sa.Config(backward="mosaic")))(res, (dout, dlse))
     assert dv is None
   else:
-    config = Config(red_width=4 if "red4" in variant else 2, dkv_cols=128 if "cols128" in variant else 64)
+    config = Config(dkv_cols=64)
     dq, dk = jax.jit(functools.partial(sparse_attention_backward_mgpu, scale=scale, config=config))(
         q, k, idx, out, lse, dout, dlse)
     dsinks, sinks = None, False

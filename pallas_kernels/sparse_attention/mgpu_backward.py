@@ -23,7 +23,14 @@ here (the saved lse holds them; dsinks is the caller's XLA sum). dq comes out in
 Shapes: q [B, T, H, Dk], k [B, S, 1, Dk], indices int32 [B, T, K], out and dout [B, T, H, Dv],
 lse and dlse f32 [B, T, H] -> dq [B, T, H, Dk], dk f32 [B, S, 1, Dk] (value gradient included).
 
-Shared memory at MLA dims: Q 72 KiB, dO 64, the key tile 72, P and dS 8 each: 224 KiB of the 227.
+Shared memory at MLA dims: Q 72 KiB, dO 64, the key tile 72, P and dS 8 each: 224 KiB of the 227, so
+one gathered stage: the producer fills it again while the consumers form and scatter dK rows.
+
+On the H200 (bench/probe_sparse_attention_bwd_mgpu.py, one call beside the Triton backward; FLOPs
+TileLang's `2 T H k (3 Dk + 2 Dv)`, causal random selections, k 2048): MLA 16K 57.50 ms = 205.5 TFLOP/s
+(Triton 134.47; TileLang's sparse_mla_bwd 66.5 in an earlier call), 64K 283.41 = 166.8 (Triton
+535.98); DeepSeek-V4 (512, sinks) 16K 16.89 (Triton 33.72). Without the scatter (a diagnostic) MLA
+16K takes 20.17 ms: the f32 atomic adds (77 GB of them at 16K) are most of the time.
 Nothing here runs on CPU: it needs sm_90a (wgmma, cp.async into swizzled tiles, vector red).
 """
 
@@ -52,19 +59,23 @@ _LOG2E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Register splits of the three warpgroups (consumers, producer)."""
+  """Register splits of the three warpgroups (consumers, producer), the width of the dK chunks (columns
+  of dK rows per MMA and scatter: 64 or 128), and `skip_scatter`, a timing diagnostic only (dK stays
+  zero: what the atomic adds cost).
 
-  consumer_registers: int = 232
-  producer_registers: int = 40
-  red_width: int = 2  # f32s per atomic add: 2 (a register pair as the MMA leaves it) or 4 (pairs swapped between lanes)
-  dkv_cols: int = 64  # columns of dK rows per MMA and scatter (64 or 128)
-  dkv_pipeline: bool = False  # issue the next chunk's MMAs before scattering this one's rows
-  tail_on_second: bool = False  # the dK chunk past Dv (dS^T Q only) goes to consumer 1, which holds fewer dQ columns
-  skip_scatter: bool = False  # a timing diagnostic only (dK stays zero): what the atomic adds cost
+  At MLA dims, 16K on the H200 (bench/NOTES.md, `bench/probe_sparse_attention_bwd_mgpu.py`): 64-column
+  chunks 65.82 ms, 128 59.74, 128 with 240 / 24 registers 57.50 (the default); without the scatter
+  20.17. Measured and removed: `red.global.v4` after a lane-pair shuffle (68.05 / 61.97 at 64 / 128
+  columns), the next chunk's MMAs issued before this chunk's scatter (two accumulators live: 108.27
+  at 64 columns, 316.40 at 128: spills), the chunk past Dv on consumer 1 (59.92).
+  """
+
+  consumer_registers: int = 240
+  producer_registers: int = 24
+  dkv_cols: int = 128
+  skip_scatter: bool = False
 
   def __post_init__(self):
-    if self.red_width not in (2, 4):
-      raise ValueError(f"Config.red_width={self.red_width} must be 2 or 4.")
     if self.dkv_cols not in (64, 128):
       raise ValueError(f"Config.dkv_cols={self.dkv_cols} must be 64 or 128.")
 
@@ -78,28 +89,21 @@ def _column_groups(dk: int, dv: int):
   return first, [(half, dv - half)]
 
 
-def _dkv_chunks(dk: int, dv: int, width: int, tail_on_second: bool = False):
+def _dkv_chunks(dk: int, dv: int, width: int):
   """dK's column chunks (start, width) per consumer, at most `width` wide and never across Dv/2 or Dv:
-  consumer 1 the chunks of its dQ columns (and, `tail_on_second`, those past Dv), consumer 0 the others."""
+  consumer 1 the chunks of its dQ columns, consumer 0 the others."""
   half = dv // 2
   chunks = [(c, min(width, end - c)) for start, end in ((0, half), (half, dv), (dv, dk)) for c in range(start, end, width)]
-  second = lambda c: half <= c < dv or (tail_on_second and c >= dv)
-  return [c for c in chunks if not second(c[0])], [c for c in chunks if second(c[0])]
+  return [c for c in chunks if not half <= c[0] < dv], [c for c in chunks if half <= c[0] < dv]
 
 
-def _scatter_add(dk_ref, rows, keys, col0, red_width):
+def _scatter_add(dk_ref, rows, keys, col0):
   """dk_ref[keys[r], col0 + c] += rows[r, c] for the rows whose key is in [0, S), from registers.
 
   `dk_ref` f32 [S, Dk] in global memory; `rows` f32 [64, N] and `keys` int32 [64, N] (each row's key,
   broadcast along the columns) in the warpgroup-MMA layout. Each register holds two adjacent columns
   of one row: one `red.global.v2.f32.add` each (relaxed, GPU scope: nothing reads dk before the end).
-  With `red_width=4`, lanes 2l and 2l + 1 (columns c, c + 1 and c + 2, c + 3 of rows r and r + 8) swap
-  a pair by a butterfly shuffle, so the even lane adds row r's four columns and the odd lane row r + 8's:
-  half the atomic instructions.
   """
-  if red_width == 4:
-    _scatter_add4(dk_ref, rows, keys, col0)
-    return
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA, plgpu.Layout.WGMMA))
   def scatter(ctx, dk_ref, rows, keys):
@@ -121,43 +125,8 @@ def _scatter_add(dk_ref, rows, keys, col0, red_width):
   scatter(dk_ref, rows, keys)
 
 
-def _scatter_add4(dk_ref, rows, keys, col0):
-  """`_scatter_add` with `red.global.v4.f32.add`: see there."""
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA, plgpu.Layout.WGMMA))
-  def scatter(ctx, dk_ref, rows, keys):
-    del ctx
-    i32, i64, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.F32Type.get()
-    num_keys, dk = ir.MemRefType(dk_ref.type).shape
-    m, n = rows.shape
-    assert m == 64 and n % 8 == 0 and rows.registers.size == n // 4, (rows.shape, rows.registers.shape)
-    # The warpgroup-MMA layout: register (j, h) of lane l in warp w holds row 16 w + l // 4 + 8 h,
-    # columns 8 j + 2 (l % 4) and the next.
-    regs = rows.registers.reshape(n // 8, 2)
-    key_regs = keys.registers.reshape(n // 8, 2)
-    idxs = list(rows.layout.thread_idxs(rows.shape))
-    idxs = [idxs[2 * j] for j in range(n // 8)]  # (row, column) of register (j, 0)
-    base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(dk_ref))
-    odd = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(mgpu_utils.thread_idx(), fwd._c(1, i32)), fwd._c(0, i32))
-    for j in range(n // 8):
-      (_, col), (own0, own1) = idxs[j], regs[j]
-      received = mgpu_utils.shfl_bfly(arith.select(odd, own0, own1), 1)  # the even lane sends row r + 8's pair
-      first, second = arith.select(odd, received, own0), arith.select(odd, own1, received)
-      key = vector.extract(arith.select(odd, key_regs[j][1], key_regs[j][0]), [], [0])
-      valid = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, key, fwd._c(0, i32)),
-                         arith.cmpi(arith.CmpIPredicate.slt, key, fwd._c(num_keys, i32)))
-      col = arith.subi(arith.index_cast(i64, col), arith.select(odd, fwd._c(2, i64), fwd._c(0, i64)))
-      offset = arith.addi(arith.muli(arith.extsi(i64, key), fwd._c(dk, i64)), arith.addi(col, fwd._c(col0, i64)))
-      ptr = mgpu_utils.getelementptr(base, [offset], f32)
-      values = [vector.extract(v, [], [e]) for v in (first, second) for e in (0, 1)]
-      mgpu_utils.inline_ptx("red.global.v4.f32.add [$0], {$1, $2, $3, $4};", ptr, *values, predicate=valid)
-
-  scatter(dk_ref, rows, keys)
-
-
 def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, steps_gmem, dk_gmem, dq_gmem, *,
-                     scale, consumer_registers, producer_registers, red_width, dkv_cols, dkv_pipeline,
-                     tail_on_second, skip_scatter):
+                     scale, consumer_registers, producer_registers, dkv_cols, skip_scatter):
   # Inputs: q [B, T, H, Dk], k [B, S, Dk], indices int32 [B, T, K_pad], dout [B, T, H, Dv], lse2 f32
   # [B, T, H] (lse log2 e, 0 where -inf), delta f32 [B, T, H], steps int32 [B, T] (live steps),
   # dk f32 [B, S, Dk] (a zeroed Ref that takes the atomic adds). Output: dq [B, T, H, Dk].
@@ -168,7 +137,7 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
   h, t, b = lax.rem(cta, n_heads), lax.rem(lax.div(cta, n_heads), T), lax.div(cta, n_heads * T)
   dtype = q_gmem.dtype
   heads = pl.ds(h * _HEADS, _HEADS)
-  groups, chunks = _column_groups(dk, dv), _dkv_chunks(dk, dv, dkv_cols, tail_on_second)
+  groups, chunks = _column_groups(dk, dv), _dkv_chunks(dk, dv, dkv_cols)
   row = plgpu.Layout.WGMMA.reduce(1)  # one value per head (S, dP) or per key (dK rows)
   c = scale * _LOG2E
 
@@ -189,32 +158,9 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
 
     def scatter(ids, rows, col, width):
       if not skip_scatter:
-        _scatter_add(dk_gmem.at[b], rows, lax.broadcast_in_dim(ids, (_BLOCK_K, width), [0]), col, red_width)
-
-    def dkv_pipelined(i, my_chunks):
-      """Chunk n + 1's MMAs run while chunk n's rows are added (one accumulator per chunk; two live)."""
-      ids = step_ids(i, row)
-
-      def issue(acc_ref, col, width):
-        plgpu.wgmma(acc_ref, ds_smem.transpose((1, 0)), q_smem.at[:, pl.ds(col, width)])
-        if col < dv:
-          plgpu.wgmma(acc_ref, p_smem.transpose((1, 0)), do_smem.at[:, pl.ds(col, width)])
-
-      def body(*acc_refs):
-        issue(acc_refs[0], *my_chunks[0])
-        for n, (col, width) in enumerate(my_chunks):
-          pending = 0
-          if n + 1 < len(my_chunks):
-            issue(acc_refs[n + 1], *my_chunks[n + 1])
-            pending = 2 if my_chunks[n + 1][0] < dv else 1  # each wgmma call is one commit group
-          scatter(ids, plgpu.wgmma_accumulator_load(acc_refs[n], wait_n=pending), col, width)
-
-      pl.run_scoped(body, *[plgpu.ACC((_BLOCK_K, width), jnp.float32) for _, width in my_chunks])
+        _scatter_add(dk_gmem.at[b], rows, lax.broadcast_in_dim(ids, (_BLOCK_K, width), [0]), col)
 
     def dkv(i, my_chunks):
-      if dkv_pipeline:
-        dkv_pipelined(i, my_chunks)
-        return
       ids = step_ids(i, row)
       for col, width in my_chunks:
         def mma(acc_ref, col=col, width=width):
@@ -363,9 +309,8 @@ def sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, *, scale
   lse2 = jnp.where(jnp.isfinite(lse), f32(lse) * _LOG2E, 0.0)  # an empty row's P is 0 by its mask
   dk_acc = jax.new_ref(jnp.zeros((B, S, Dk), jnp.float32))
   kernel = functools.partial(_backward_kernel, scale=float(scale), consumer_registers=config.consumer_registers,
-                             producer_registers=config.producer_registers, red_width=config.red_width,
-                             dkv_cols=config.dkv_cols, dkv_pipeline=config.dkv_pipeline,
-                             tail_on_second=config.tail_on_second, skip_scatter=config.skip_scatter)
+                             producer_registers=config.producer_registers, dkv_cols=config.dkv_cols,
+                             skip_scatter=config.skip_scatter)
   dq = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((B, T, H, Dk), q.dtype),
