@@ -13,8 +13,9 @@ the key). Times are `timing.timed` medians (5 calls after a warm-up). All progra
 up front on `--workers` threads; one that fails to compile (shared memory) is reported and skipped.
 FLOPs are TileLang's count, `2 T H k (3 Dk + 2 Dv)`.
 
-Measured 2026-12-04 on the H200 (bench/NOTES.md; `--budget-s 45` skipped mla128): today 142.98 ms
-at mla64 16K, 660.59 at 64K, 38.52 at v4 16K; `slices32_h64_k32_w8_s1` (now the heuristic) 133.91,
+Every variant here is the Triton kernel (`backward="triton"`; "auto" now runs the Mosaic GPU one,
+`probe_sparse_attention_bwd_mgpu.py`). Measured 2026-12-04 on the H200 (bench/NOTES.md; `--budget-s
+45` skipped mla128): today 142.98 ms at mla64 16K, 660.59 at 64K, 38.52 at v4 16K; `slices32_h64_k32_w8_s1` (now the heuristic) 133.91,
 566.29 and 33.41; the 16-key slices 165.7-169.1. An earlier call timed layouts since removed (dK
 computed as q^T dS on wgmma; dq in a kernel of its own): 185.9-559.0 ms at mla64 16K.
 """
@@ -40,13 +41,13 @@ from pallas_kernels.sparse_attention import (  # noqa: E402
 from sparse_attention import SHAPES, Shape, flops, make_inputs, poison, rel_err  # noqa: E402
 from timing import CompileAhead, timed  # noqa: E402
 
-TODAY = Config(block_h=32, block_k=16, num_warps=4, num_stages=1)
+TODAY = Config(block_h=32, block_k=16, num_warps=4, num_stages=1, backward="triton")
 VARIANTS = {
     "today": TODAY,
-    "slices32_h64_k16_w8_s1": Config(block_h=64, block_k=16, num_warps=8, num_stages=1, slice_h=32),
-    "slices32_h64_k16_w8_s2": Config(block_h=64, block_k=16, num_warps=8, num_stages=2, slice_h=32),
-    "slices32_h64_k32_w8_s1": Config(block_h=64, block_k=32, num_warps=8, num_stages=1, slice_h=32),
-    "slices16_h64_k16_w8_s1": Config(block_h=64, block_k=16, num_warps=8, num_stages=1, slice_h=16),
+    "slices32_h64_k16_w8_s1": Config(block_h=64, block_k=16, num_warps=8, num_stages=1, slice_h=32, backward="triton"),
+    "slices32_h64_k16_w8_s2": Config(block_h=64, block_k=16, num_warps=8, num_stages=2, slice_h=32, backward="triton"),
+    "slices32_h64_k32_w8_s1": Config(block_h=64, block_k=32, num_warps=8, num_stages=1, slice_h=32, backward="triton"),
+    "slices16_h64_k16_w8_s1": Config(block_h=64, block_k=16, num_warps=8, num_stages=1, slice_h=16, backward="triton"),
 }
 LATER = {  # shape -> variants run there (besides today); "best" = the fastest at mla64 16K
     "v4": ["slices32_h64_k16_w8_s2", "best"],

@@ -353,12 +353,12 @@ def run_check():
             f"{ {k: float(f'{v:.2e}') for k, v in det['det_vs_atomic'].items()} }", flush=True)
 
 
-TUNE_CONFIGS = [
-    Config(block_h=32, block_k=16, num_warps=4, num_stages=1),
-    Config(block_h=32, block_k=16, num_warps=8, num_stages=1),
-    Config(block_h=32, block_k=32, num_warps=4, num_stages=1),
-    Config(block_h=16, block_k=32, num_warps=4, num_stages=1),
-    Config(block_h=64, block_k=16, num_warps=8, num_stages=1),  # over the shared memory at MLA dims
+TUNE_CONFIGS = [  # the Triton backward's (at MLA and V4 dims "auto" would run the Mosaic GPU kernel)
+    Config(block_h=32, block_k=16, num_warps=4, num_stages=1, backward="triton"),
+    Config(block_h=32, block_k=16, num_warps=8, num_stages=1, backward="triton"),
+    Config(block_h=32, block_k=32, num_warps=4, num_stages=1, backward="triton"),
+    Config(block_h=16, block_k=32, num_warps=4, num_stages=1, backward="triton"),
+    Config(block_h=64, block_k=16, num_warps=8, num_stages=1, backward="triton"),  # over the shared memory at MLA dims
 ]
 
 
