@@ -151,3 +151,59 @@ def test_ffn_chunk_not_dividing_the_length_is_named():
     model(jnp.zeros((1, T), jnp.int32))
   with pytest.raises(ValueError, match="model.ffn_token_chunk"):
     dataclasses.replace(_TINY, ffn_token_chunk=-16)
+
+
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_the_whole_layer_over_chunks_gives_the_whole_layer(grad_in_forward):
+  """Equal query and FFN chunks run the whole layer over sequence chunks (`DecoderLayer._chunked_layer`):
+  the same loss, expert load and gradients as the unchunked model (a dense and an MoE layer, two
+  documents per row), and one selection per indexer layer under "selection_replay"."""
+  cfg = dataclasses.replace(_TINY, n_layers=2, moe_token_chunk=0, indexer_loss_grad_in_forward=grad_in_forward)
+  starts = jnp.asarray([[0] * 23 + [23] * 41, [0] * T])
+  tokens = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
+  chunked = dataclasses.replace(cfg, attention_query_chunk=CHUNK, ffn_token_chunk=CHUNK)
+  model = models.build(chunked, rngs=nnx.Rngs(0))
+  assert all(layer.layer_chunk(T) == CHUNK for layer in model.layers)
+
+  def step(cfg):
+    graphdef, params, rest = nnx.split(models.build(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    positions = jnp.arange(T)[None] - starts
+    segment_ids = (positions == 0).cumsum(-1).astype(jnp.int32)
+
+    def loss(p):
+      out = nnx.merge(graphdef, p, rest)(tokens, positions=positions, segment_ids=segment_ids)
+      return jnp.mean(out.logits**2) + out.aux["indexer_loss"], (out.aux["indexer_loss"], out.aux["expert_load"])
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params), jax.make_jaxpr(jax.grad(lambda p: loss(p)[0]))(params)
+
+  ((value, (indexer_loss, load)), grads), _ = step(cfg)
+  ((got_value, (got_indexer_loss, got_load)), got_grads), jaxpr = step(chunked)
+  assert float(indexer_loss) > 0
+  np.testing.assert_allclose(got_value, value, rtol=1e-5)
+  np.testing.assert_allclose(got_indexer_loss, indexer_loss, rtol=1e-5)
+  np.testing.assert_allclose(got_load, load, rtol=1e-5, atol=1e-7)
+  for (path, g), (_, w) in zip(*(jax.tree_util.tree_leaves_with_path(t) for t in (got_grads, grads))):
+    scale = max(float(jnp.abs(w).max()), 1e-30)
+    np.testing.assert_allclose(g / scale, w / scale, atol=2e-5, err_msg=jax.tree_util.keystr(path))
+  assert remat.count_named_equations(jaxpr, "flash_topk") == cfg.n_layers
+
+
+def test_the_whole_layer_over_chunks_saves_one_index_key_gradient(capsys):
+  """With the indexer loss's gradient in the forward pass, a layer over chunks saves its selection and
+  one index-key gradient [B, T, DI] in all (not one per chunk), and no index-query gradient [.., HI, DI]
+  (its weights' gradient instead)."""
+  cfg = dataclasses.replace(_TINY, n_layers=1, attention_query_chunk=CHUNK, ffn_token_chunk=CHUNK,
+                            indexer_loss_grad_in_forward=True)
+  graphdef, params, rest = nnx.split(models.build(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+  tokens = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size)
+
+  def loss(p):
+    out = nnx.merge(graphdef, p, rest)(tokens)
+    return jnp.mean(out.logits**2) + out.aux["indexer_loss"]
+
+  jax.ad_checkpoint.print_saved_residuals(loss, params)
+  saved = [line.split("]")[0] for line in capsys.readouterr().out.splitlines() if "[" in line]  # "dtype[shape"
+  key_grads = [s for s in saved if s.endswith(f"{T},{cfg.index_head_dim}")]
+  assert len(key_grads) == 1 and key_grads[0].endswith(f"[1,{T},{cfg.index_head_dim}"), saved
+  assert any(s.startswith("i32") and s.endswith(f",{cfg.index_topk}") for s in saved), saved
+  assert not [s for s in saved if s.endswith(f",{cfg.index_n_heads},{cfg.index_head_dim}")], saved

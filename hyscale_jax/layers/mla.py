@@ -126,6 +126,68 @@ class MLASparseAttention(nnx.Module):
     k = jnp.concatenate([kv_heads[..., :nope], k_pe], axis=-1)  # [B, T, H, nope + R]
     return jnp.concatenate([q_nope, q_pe], axis=-1), k, kv_heads[..., nope:], c_q
 
+  def keys(self, x, positions):
+    """(k [B, T, 1, L+R], index_k [B, T, DI] or None) of the normalised rows x [B, T, D]; row-local,
+    so a caller may compute them a chunk of rows at a time (v is k's latent prefix)."""
+    k, _ = self._mqa_keys(x, positions)
+    return k, None if self.indexer is None else self.indexer.keys(x, positions)
+
+  def query_rows(self, keys, segment_ids, backends, *, grads_out: bool = False):
+    """The sparse path for some query rows against all keys: a function of (x [B, t, D] normalised rows,
+    positions, their segment ids, q_offset i32[] of their first row, shared indices or None) ->
+    (out [B, t, D], indices i32[B, t, K], indexer loss f32[] or None, rows counted or None, grads).
+
+    `keys()` returns (k, index_k) of all T rows (`keys`; a thunk, so a chunk loop may close over f32
+    copies, `st.summed_in_f32`); `segment_ids` i32[B, T] are the keys'. With `grads_out` (and the
+    indexer loss's gradient computed in the forward pass) the indexer loss carries no gradient and
+    `grads` is its gradient (of this call's mean, at unit cotangent): (f32[B, T, DI] w.r.t. index_k,
+    the indexer's `nnx.Param` state w.r.t. its query side's weights, pulled back here), for the
+    caller to sum over chunks and save once (`ops.indexer_loss(grads_out=True)`); None otherwise.
+    """
+    cfg = self.cfg
+    scale = self.scale
+    backend = lambda name: getattr(backends, name, "auto") if backends is not None else "auto"
+    w_uk, w_uv = self._absorption()
+    grads_out = grads_out and cfg.indexer_loss_grad_in_forward and self.indexer is not None
+
+    def rows(x, positions, q_seg, q_offset, indices):
+      k, index_k = keys()
+      B, t = x.shape[:2]
+      q, c_q = self._mqa_queries(x, positions, w_uk)
+      loss = rows_counted = grads = None
+      if self.indexer is not None:
+        index_q, index_w = self.indexer.queries(x, c_q, positions)
+        indices = ops.flash_topk(index_q, index_k, index_w, topk=cfg.index_topk, scale=self.indexer.score_scale,
+                                 q_offset=q_offset, segment_ids=(q_seg, segment_ids),
+                                 backend=backend("flash_topk")).indices
+      # v is k's latent prefix: passing None lets the kernels gather and scatter one row for both.
+      out, lse = ops.sparse_attention(q, k, None, indices, scale=scale, value_dim=cfg.kv_lora_rank,
+                                      deterministic=cfg.sparse_attention_deterministic,
+                                      backend=backend("sparse_attention"))
+      if self.indexer is not None:
+        loss, rows_counted, *grads = ops.indexer_loss(
+            index_q, index_k, index_w, q, k, lse, indices, attn_scale=scale, index_scale=self.indexer.score_scale,
+            grad_in_forward=cfg.indexer_loss_grad_in_forward, with_row_count=True, grads_out=grads_out,
+            backend=backend("indexer_loss"))
+        if grads:
+          dq, dk, dw = grads[0]
+          grads = (dk, self._indexer_query_grads(x, c_q, positions, dq.astype(index_q.dtype),
+                                                  dw.astype(index_w.dtype)))
+        else:
+          grads = None
+      heads = jnp.einsum("bthl,lhv->bthv", out, w_uv.astype(out.dtype))  # [B, t, H, v_head_dim]
+      return self.o_proj(heads.reshape(B, t, -1)), indices, loss, rows_counted, grads
+
+    return rows
+
+  def _indexer_query_grads(self, x, c_q, positions, d_index_q, d_index_w):
+    """The indexer's `nnx.Param` state's gradient from its queries' and head weights' cotangents (f32
+    leaves; zero for the key side). The queries read detached inputs, so this is all they pass on."""
+    graphdef, params, rest = nnx.split(self.indexer, nnx.Param, ...)
+    queries = lambda params: nnx.merge(graphdef, params, rest).queries(x, c_q, positions)
+    _, pullback = jax.vjp(queries, jax.lax.stop_gradient(params))
+    return jax.tree.map(lambda g: g.astype(jnp.float32), pullback((d_index_q, d_index_w))[0])
+
   def __call__(
       self,
       x: Float[Array, "B T D"],
@@ -179,35 +241,11 @@ class MLASparseAttention(nnx.Module):
     if self.indexer is None and shared_indices is None:
       raise ValueError("a layer without its own indexer needs shared_indices from a full layer.")
     chunk = cfg.query_chunk(T)
-    w_uk, w_uv = self._absorption()
-    k, v = self._mqa_keys(x, positions)
-    index_k = None if self.indexer is None else self.indexer.keys(x, positions)
+    k, index_k = self.keys(x, positions)
     # Every query chunk adds to the keys' gradients: sum them in f32, not in the keys' dtype.
     keys = st.summed_in_f32((k, index_k)) if chunk else lambda: (k, index_k)
-
-    def rows(xs):
-      """Output [B, t, D], indices, indexer loss and its counted rows of the query rows in xs."""
-      x, positions, q_seg, q_offset, indices = xs
-      k, index_k = keys()
-      t = x.shape[1]
-      q, c_q = self._mqa_queries(x, positions, w_uk)
-      loss = rows_counted = None
-      if self.indexer is not None:
-        index_q, index_w = self.indexer.queries(x, c_q, positions)
-        indices = ops.flash_topk(index_q, index_k, index_w, topk=cfg.index_topk, scale=self.indexer.score_scale,
-                                 q_offset=q_offset, segment_ids=(q_seg, segment_ids),
-                                 backend=backend("flash_topk")).indices
-      # v is k's latent prefix: passing None lets the kernels gather and scatter one row for both.
-      out, lse = ops.sparse_attention(q, k, None, indices, scale=scale, value_dim=v.shape[-1],
-                                      deterministic=cfg.sparse_attention_deterministic,
-                                      backend=backend("sparse_attention"))
-      if self.indexer is not None:
-        loss, rows_counted = ops.indexer_loss(index_q, index_k, index_w, q, k, lse, indices, attn_scale=scale,
-                                              index_scale=self.indexer.score_scale,
-                                              grad_in_forward=cfg.indexer_loss_grad_in_forward,
-                                              with_row_count=True, backend=backend("indexer_loss"))
-      heads = jnp.einsum("bthl,lhv->bthv", out, w_uv.astype(out.dtype))  # [B, t, H, v_head_dim]
-      return self.o_proj(heads.reshape(B, t, -1)), indices, loss, rows_counted
+    query_rows = self.query_rows(keys, segment_ids, backends)
+    rows = lambda xs: query_rows(*xs)[:4]
 
     if not chunk:
       out, indices, indexer_loss, _ = rows((x, positions, segment_ids, 0, shared_indices))

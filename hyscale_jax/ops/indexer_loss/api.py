@@ -83,6 +83,7 @@ def indexer_loss(
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
     grad_in_forward: bool = False,
     with_row_count: bool = False,
+    grads_out: bool = False,
     key_tokens: Int[Array, "B T K P"] | None = None,
     key_pool: str = "sum",
     backend: Backend = "auto",
@@ -126,6 +127,10 @@ def indexer_loss(
     grad_in_forward: sparse form: compute the gradient in the forward pass and save it (tagged
       `remat.INDEXER_GRADS`), so neither the backward pass nor the `"selection_replay"`
       rematerialization reruns the teacher. Same value and gradient; ignored by `xla_baseline`.
+    grads_out: with grad_in_forward (sparse form): also return the loss's gradients at unit cotangent,
+      f32 (d index_q, d index_k, d index_weights or None), last, and give the loss none; a caller over
+      query chunks sums them (weighted by the chunks' counted rows) into what it saves, once, instead
+      of [S, DI] + [T, HI, DI] per chunk. Not under a context mesh.
     with_row_count: also return how many rows the mean counted (over all shards under a context
       mesh), so that means over disjoint row sets combine as `sum_i n_i * mean_i / max(sum_i n_i, 1)`.
     key_tokens: int[B, T, K, P] the attention keys behind each selected index key (block form), or
@@ -136,7 +141,8 @@ def indexer_loss(
       "xla_baseline" (the Megatron-style backward that rescores every key; the dense form is the reference's).
 
   Returns:
-    f32[] the loss, or (loss, i32[] rows counted) with `with_row_count`.
+    f32[] the loss, or (loss, i32[] rows counted) with `with_row_count`; `grads_out` appends the
+    gradients.
 
   Raises:
     ValueError: on mismatched shapes, bad dtypes, or `attn_lse=None` in the sparse form.
@@ -157,14 +163,18 @@ def indexer_loss(
         attn_scale=float(attn_scale), index_scale=float(index_scale), compress_ratio=int(compress_ratio),
         q_offset=q_offset + row_offset, segment_ids=None if q_seg is None else (q_seg, kv_seg),
         with_row_count=with_row_count, grad_in_forward=bool(grad_in_forward), key_tokens=key_tokens,
-        key_pool=key_pool,
+        key_pool=key_pool, **({"grads_out": True} if grads_out else {}),
     )
 
   local = (index_q, index_weights, attn_q, attn_lse, indices, key_tokens, q_seg)
   full = (index_k, attn_k, kv_seg)
   mesh = _context.context_mesh()
+  if grads_out and not (grad_in_forward and indices is not None):
+    raise ValueError("indexer_loss: grads_out needs the sparse form (indices) with grad_in_forward=True.")
   if mesh is None:
     return loss(0, local, full, (q_offset,), with_row_count=with_row_count)
+  if grads_out:
+    raise NotImplementedError("indexer_loss: grads_out is not available under a context mesh.")
   axes = _context.token_axes(mesh)
 
   def shard_loss(row_offset, local, full, replicated):

@@ -183,7 +183,7 @@ def _sparse_loss_bwd(scales, chunk, kernels, rescore, residuals, cts):
 
 
 def _sparse_loss_grad_in_forward(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices, key_tokens,
-                                 scales, chunk, kernels):
+                                 scales, chunk, kernels, grads_out=False):
   """The sparse loss with its gradient computed in the same pass over the rows, and saved.
 
   One scan computes each chunk's KL and its gradient at unit cotangent (the teacher once); the
@@ -191,6 +191,10 @@ def _sparse_loss_grad_in_forward(index_q, index_k, index_weights, attn_q, attn_k
   loss and whose gradient is (dq, dk, dw) times the cotangent. The saved gradients are tagged
   `remat.INDEXER_GRADS`, so under the `"selection_replay"` policy neither the backward pass nor
   the rematerialization reruns the teacher. Costs [T, HI, DI] + [S, DI] + [T, HI] saved values.
+  With `grads_out` the gradients are returned instead, f32 (dq, dk, dw) as a third output, and the
+  loss carries none: a caller that runs the loss over query chunks sums the chunks' key gradients
+  (and pulls the query gradients back to the indexer's weights) and saves those once, not
+  [S, DI] + [T, HI, DI] per layer and per chunk.
   """
   sg = jax.lax.stop_gradient
   iq0, ik0, iw0, aq, ak, alse = sg((index_q, index_k, index_weights, attn_q, attn_k, attn_lse))
@@ -203,6 +207,8 @@ def _sparse_loss_grad_in_forward(index_q, index_k, index_weights, attn_q, attn_k
   dk, (dq, dw, (row_kl, row_valid)) = jax.lax.scan(chunk_grads, jnp.zeros(ik0.shape, jnp.float32), xs)
   loss, n_valid = _row_mean(row_kl, row_valid)
   inv = 1.0 / jnp.maximum(n_valid, 1).astype(jnp.float32)
+  if grads_out:
+    return loss, n_valid, (join(dq) * inv, dk * inv, None if index_weights is None else join(dw) * inv)
   grads = [(join(dq) * inv, index_q), (dk * inv, index_k)]
   if index_weights is not None:
     grads.append((join(dw) * inv, index_weights))
@@ -415,6 +421,7 @@ def indexer_loss_reference(
     with_row_count: bool = False,
     grad_in_forward: bool = False,
     rescore: bool = False,
+    grads_out: bool = False,
 ) -> Float[Array, ""] | tuple[Float[Array, ""], Int[Array, ""]]:
   """Mean over valid query rows of KL(teacher || softmax(indexer logits)) on each row's support.
 
@@ -430,6 +437,7 @@ def indexer_loss_reference(
 
   Sparse-form variants (same value and gradient, different cost):
     grad_in_forward: compute the gradient with the loss and save it (`_sparse_loss_grad_in_forward`).
+      With `grads_out` the result ends with the gradients instead, f32 (dq, dk, dw) (see there).
     rescore: the Megatron-style backward that rescores every key of each row (`_chunk_grads`); the
       `xla_baseline` backend.
   """
@@ -439,9 +447,14 @@ def indexer_loss_reference(
     if indices is None:
       raise NotImplementedError("indexer_loss: key_tokens covers the sparse form (indices given).")
     key_tokens = key_tokens.astype(jnp.int32)
+  if grads_out and (indices is None or not grad_in_forward):
+    raise ValueError("indexer_loss: grads_out needs the sparse form with grad_in_forward=True.")
   if indices is not None and grad_in_forward:
     out = _sparse_loss_grad_in_forward(index_q, index_k, index_weights, attn_q, attn_k, attn_lse,
-                                       indices.astype(jnp.int32), key_tokens, scales, int(query_chunk), kernels)
+                                       indices.astype(jnp.int32), key_tokens, scales, int(query_chunk), kernels,
+                                       bool(grads_out))
+    if grads_out:
+      return out if with_row_count else (out[0], out[2])
   elif indices is not None:
     out = _sparse_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices.astype(jnp.int32),
                        key_tokens, scales, int(query_chunk), kernels, bool(rescore))
