@@ -102,8 +102,8 @@ def lower_step(config):
   def objective(params, rest, batch):
     model = nnx.merge(graphdef, layer_stacks.per_layer(params, groups), rest)
     h, aux = model.hidden_states(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                                 dense=False, backends=config.ops)
-    lm_loss = model.lm_loss(h, batch["targets"], batch["loss_mask"])
+                                 dense=False, backends=config.ops, final_norm=False)
+    lm_loss = model.lm_loss(h, batch["targets"], batch["loss_mask"], prenorm=True)
     return lm_loss + config.optim.indexer_loss_coeff * aux["indexer_loss"]
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))

@@ -212,6 +212,16 @@ class ModelConfig:
       return 0
     return self._sequence_chunk("attention_query_chunk", seq_len)
 
+  def layer_chunk(self, seq_len: int) -> int:
+    """Positions per chunk when whole MLA layers run over sequence chunks (`DecoderLayer._chunked_layer`):
+    the query chunk, when the FFN chunk at this length is the same; else 0.
+
+    Raises:
+      ValueError: as `query_chunk` and `ffn_chunk`.
+    """
+    chunk = self.query_chunk(seq_len)
+    return chunk if chunk and chunk == self.ffn_chunk(seq_len) else 0
+
   def ffn_chunk(self, seq_len: int) -> int:
     """Positions per FFN sub-block chunk at length `seq_len`, or 0 when it runs unchunked (off or T fits one).
 

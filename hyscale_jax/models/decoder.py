@@ -128,12 +128,10 @@ class DecoderLayer(nnx.Module):
     It does when MLA query chunking and FFN chunking are both on at this length with one chunk size,
     the attention is MLA (`query_rows`) and the residual is plain (no hyper-connections, no `ple`).
     """
-    cfg = self.cfg
     if (self.attn_hc is not None or self.mlp_hc is not None or self.ple is not None
         or not hasattr(self.self_attn, "query_rows")):
       return 0
-    chunk = cfg.query_chunk(T)
-    return chunk if chunk and chunk == cfg.ffn_chunk(T) else 0
+    return self.cfg.layer_chunk(T)
 
   def _chunked_layer(self, x, positions, segment_ids, shared_indices, token_ids, backends, chunk):
     """The sparse layer, `chunk` positions at a time: keys first, then everything else in one loop.
@@ -314,7 +312,8 @@ class Decoder(nnx.Module):
             for start, period, repeats, direct in self.layer_runs() if repeats > direct
             for j in range(period)]
 
-  def _run_layers(self, x, positions, segment_ids, activation_axes, *, dense, backends, token_ids=None):
+  def _run_layers(self, x, positions, segment_ids, activation_axes, *, dense, backends, token_ids=None,
+                  embed_tokens=None):
     """The layer stack: x [B, T, D] (or streams [B, T, N, D]) -> (x, indexer losses, expert loads);
     `token_ids` i32[B, T] reach every layer: hash-routed MoE layers choose their experts by them, n-gram
     embeddings (`ple`) hash them.
@@ -333,23 +332,39 @@ class Decoder(nnx.Module):
     of their gradients, sliced back per layer. train.py stores each group of
     `scanned_layer_groups()` stacked instead (training/layer_stacks.py): the stacking here then
     folds into the stored arrays, and neither copy nor slices remain.
+
+    With `x` None, `embed_tokens` i32[B, T] are the input tokens and the first layer (when it is
+    called directly) embeds them inside its own `jax.checkpoint`: the backward pass regathers the
+    embedding rather than keeping it ([B, T, D] less saved); otherwise they are embedded first.
     """
-    def run_layer(graphdef, state, x, positions, segment_ids, shared_indices, token_ids):
+    def layer_fn(graphdef, state, x, positions, segment_ids, shared_indices, token_ids):
       layer = nnx.merge(graphdef, state)  # a pure function of the layer's state, for jax.checkpoint
       return layer(x, positions, segment_ids, dense=dense, shared_indices=shared_indices, backends=backends,
                    token_ids=token_ids)
 
-    run_layer = self._remat(run_layer, x.shape[1], dense)
+    def first_fn(graphdefs, states, tokens, *args):
+      """The first layer on the embedding of `tokens`, both under one checkpoint."""
+      (embed_graph, graphdef), (embed_state, state) = graphdefs, states
+      x = shd.shard(nnx.merge(embed_graph, embed_state)(tokens), activation_axes)
+      return layer_fn(graphdef, state, x, *args)
+
+    T = positions.shape[1]
+    run_layer, run_first = self._remat(layer_fn, T, dense), self._remat(first_fn, T, dense)
+    embed = nnx.split(self.embed_tokens) if x is None else None
 
     def run_block(graphdefs, owns_indexer, x, indices, states):
       """Consecutive layers: (x, indices, their indexer losses, their expert loads)."""
       losses, loads = [], []
       for graphdef, owns, state in zip(graphdefs, owns_indexer, states, strict=True):
-        # Between layers the activations are split over batch and sequence, whole in D: FSDP gathers
-        # the weights rather than splitting the activations' width.
-        x = shd.shard(x, activation_axes)
-        x, layer_indices, indexer_loss, load = run_layer(graphdef, state, x, positions, segment_ids, indices,
-                                                         token_ids)
+        if x is None:  # the first layer, embedding the tokens itself
+          x, layer_indices, indexer_loss, load = run_first((embed[0], graphdef), (embed[1], state), embed_tokens,
+                                                           positions, segment_ids, indices, token_ids)
+        else:
+          # Between layers the activations are split over batch and sequence, whole in D: FSDP gathers
+          # the weights rather than splitting the activations' width.
+          x = shd.shard(x, activation_axes)
+          x, layer_indices, indexer_loss, load = run_layer(graphdef, state, x, positions, segment_ids, indices,
+                                                           token_ids)
         if owns:
           indices = layer_indices
         losses += [] if indexer_loss is None else [indexer_loss]
@@ -360,6 +375,8 @@ class Decoder(nnx.Module):
     graphs = [nnx.split(layer) for layer in layers]
     indices, indexer_losses, loads = None, [], []
     for start, period, repeats, direct in self.layer_runs(graphs):
+      if x is None and not direct:  # the first layer is scanned: embed the tokens here
+        x = self.embed_tokens(embed_tokens)
       graphdefs = [graphdef for graphdef, _ in graphs[start:start + period]]
       owns_indexer = [layer.self_attn.indexer is not None for layer in layers[start:start + period]]
       states = [state for _, state in graphs[start:start + period * repeats]]
@@ -417,6 +434,7 @@ class Decoder(nnx.Module):
       dense: bool = False,
       backends=None,
       mtp_tokens: Int[Array, "B T"] | None = None,
+      final_norm: bool = True,
   ) -> tuple[jax.Array, dict]:
     """The final hidden states for int32 tokens [B, T] (the LM head's input); `dense=True` is the
     warm-up stage (no sparsification).
@@ -429,6 +447,8 @@ class Decoder(nnx.Module):
       backends: per-op backend names (`config.ops`); None means "auto" everywhere.
       mtp_tokens: i32[B, T] the next tokens (tok[t + 1], training's `targets`): also run the MTP
         depths (when `cfg.mtp_depth` > 0), depth d embedding mtp_tokens[t + d].
+      final_norm: False leaves the final RMSNorm to `lm_loss(..., prenorm=True)`, which applies it
+        one loss chunk at a time (no normalised [B, T, D] copy nor its gradient at full length).
 
     Returns:
       (h [B, T, D] after the final collapse and norm, aux={"indexer_loss": f32[], "expert_load":
@@ -441,21 +461,23 @@ class Decoder(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     if segment_ids is None:
       segment_ids = jnp.zeros((B, T), jnp.int32)
-    x = self.embed_tokens(tokens)
     # With hyper-connections the residual is hc_mult streams [B, T, N, D] between layers.
     activation_axes = (shd.BATCH, shd.LENGTH, shd.ACT_EMBED)
+    x = None  # a plain residual: the first layer embeds the tokens under its checkpoint (`_run_layers`)
+    if self.hc_head is not None or self.cfg.remat_policy == "none":
+      x = self.embed_tokens(tokens)
     if self.hc_head is not None:
       x, activation_axes = expand_streams(x, self.cfg.hc_mult), (shd.BATCH, shd.LENGTH, None, shd.ACT_EMBED)
     x, indexer_losses, loads = self._run_layers(x, positions, segment_ids, activation_axes, dense=dense,
-                                                backends=backends, token_ids=tokens)
+                                                backends=backends, token_ids=tokens, embed_tokens=tokens)
     streams = x
     if self.hc_head is not None:
       x = self.hc_head(x)
-    if self.norm is not None:
-      x = self.norm(x)
+    normed = x if self.norm is None else self.norm(x)
+    x = normed if final_norm else x
     aux = {}
     if mtp_tokens is not None and self.mtp is not None:
-      prev = streams if self.mtp[0].streams_in else x
+      prev = streams if self.mtp[0].streams_in else normed
       aux["mtp_hidden"], mtp_losses, mtp_loads = self._run_mtp(prev, mtp_tokens, positions, segment_ids,
                                                                dense=dense, backends=backends)
       indexer_losses, loads = indexer_losses + mtp_losses, loads + mtp_loads
@@ -473,29 +495,36 @@ class Decoder(nnx.Module):
     h, aux = self.hidden_states(tokens, **kwargs)
     return ModelOutput(self.logits(h), aux)
 
-  def _head(self) -> tuple[Head, nnx.State]:
+  def _head(self, prenorm: bool = False) -> tuple[Head, nnx.State]:
     """The LM head as a pure function of its parameters: (head, params), logits = head(params, h).
 
-    Untied: `lm_head`. Tied: `embed_tokens.attend` on the f32 hidden states.
+    Untied: `lm_head`. Tied: `embed_tokens.attend` on the f32 hidden states. With `prenorm` the
+    head applies the final `norm` first (h is then `hidden_states(..., final_norm=False)`'s).
     """
     tied = self.lm_head is None
     graphdef, params = nnx.split(self.embed_tokens if tied else self.lm_head)
+    norm_graph, norm_params = nnx.split(self.norm) if prenorm and self.norm is not None else (None, None)
 
-    def head(params, h):
+    def head(all_params, h):
+      params, norm_params = all_params
+      if norm_graph is not None:
+        h = nnx.merge(norm_graph, norm_params)(h)
       module = nnx.merge(graphdef, params)
       return module.attend(h.astype(jnp.float32)) if tied else module(h)
 
-    return head, params
+    return head, (params, norm_params)
 
   def logits(self, h: jax.Array) -> jax.Array:
     """f32[B, T, V] logits of the hidden states h [B, T, D] (from `hidden_states`)."""
     head, params = self._head()
     return head(params, h).astype(jnp.float32)
 
-  def lm_loss(self, h: jax.Array, targets: Int[Array, "B T"], loss_mask: jax.Array) -> jax.Array:
+  def lm_loss(self, h: jax.Array, targets: Int[Array, "B T"], loss_mask: jax.Array, *,
+              prenorm: bool = False) -> jax.Array:
     """f32[] mean next-token cross-entropy of h [B, T, D] over loss_mask f32[B, T], `cfg.lm_loss_chunk`
-    positions at a time (layers/lm_head.py): the same value and gradients as `lm_loss(self.logits(h), ...)`."""
-    head, params = self._head()
+    positions at a time (layers/lm_head.py): the same value and gradients as `lm_loss(self.logits(h), ...)`.
+    `prenorm`: h is before the final norm (`hidden_states(..., final_norm=False)`); each chunk applies it."""
+    head, params = self._head(prenorm)
     return chunked_lm_loss(head, params, h, targets, loss_mask, chunk=self.cfg.lm_loss_chunk)
 
   def mtp_loss(self, mtp_hidden, targets: Int[Array, "B T"], loss_mask: jax.Array) -> jax.Array:

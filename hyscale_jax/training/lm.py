@@ -303,11 +303,12 @@ def build_training(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh, ru
     model = nnx.merge(graphdef, layer_stacks.per_layer(params, groups), rest)
     mtp_tokens = batch["targets"] if with_mtp and cfg.mtp_depth else None
     h, aux = model.hidden_states(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                                 dense=dense, backends=config.ops, mtp_tokens=mtp_tokens)
+                                 dense=dense, backends=config.ops, mtp_tokens=mtp_tokens, final_norm=False)
     if mtp_tokens is not None:  # the MTP depths' losses, chunked the same way
       aux["mtp_loss"] = model.mtp_loss(aux.pop("mtp_hidden"), batch["targets"], batch["loss_mask"])
     # Chunked over the sequence (model.lm_loss_chunk): no [B, T, V] logits, forward or backward.
-    return model.lm_loss(h, batch["targets"], batch["loss_mask"]), aux
+    # The final norm inside the loss's chunks: no normalised [B, T, D] copy nor its gradient.
+    return model.lm_loss(h, batch["targets"], batch["loss_mask"], prenorm=True), aux
 
   def objective(params, rest, batch, dense):
     lm, aux = forward(params, rest, batch, dense)

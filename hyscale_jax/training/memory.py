@@ -72,6 +72,10 @@ MOE_GROUPED_COPIES = 1.0
 # measured (6.2 arrays missing without this term), 512K with 32K query and FFN chunks 120.7 GiB
 # measured (5.4), and 1M (32K chunks) 222.9 GiB asked of the allocator when it ran out (6.7).
 CHUNKED_LAYER_FULL_LENGTH_COPIES = 6.0
+# The same when the whole layer runs over sequence chunks (`ModelConfig.layer_chunk`: equal query
+# and FFN chunks; `DecoderLayer._chunked_layer`): only the layer's output cotangent, its input
+# gradient from the chunk loop and the one from the key loop stay at full length.
+WHOLE_LAYER_CHUNKS_FULL_LENGTH_COPIES = 3.0
 # What the device's peak holds beyond the compiled program: 70 MB on the tiny H200 run, 0.2 GiB at 16K.
 RUNTIME_RESERVE_BYTES = 64 * 2**20
 
@@ -216,15 +220,25 @@ def _runs_in_chunks(cfg: ModelConfig, seq_len: int) -> bool:
   return bool(_chunk_at(cfg.query_chunk, seq_len) or _chunk_at(cfg.ffn_chunk, seq_len))
 
 
+def _full_length_copies(cfg: ModelConfig, seq_len: int) -> float:
+  """[rows, D] arrays a layer over sequence chunks holds at full length (0 when it does not chunk)."""
+  if _chunk_at(cfg.layer_chunk, seq_len):
+    return WHOLE_LAYER_CHUNKS_FULL_LENGTH_COPIES
+  return CHUNKED_LAYER_FULL_LENGTH_COPIES if _runs_in_chunks(cfg, seq_len) else 0.0
+
+
 def _indexer_grads(cfg: ModelConfig, seq_len: int) -> float:
   """Bytes per token that `"selection_replay"` saves of the indexer loss's forward-pass gradient (0 without it).
 
   The gradients w.r.t. the indexer's queries and weights, and w.r.t. its keys: one whole-length key
   gradient per MLA query chunk (each chunk's loss reaches every key), so that term grows as T^2 / chunk.
+  A whole layer over chunks (`ModelConfig.layer_chunk`) saves one key gradient and its weights' gradients.
   """
   if not cfg.indexer_loss_grad_in_forward:
     return 0.0
   a = jnp.dtype(cfg.dtype).itemsize
+  if _chunk_at(cfg.layer_chunk, seq_len):  # summed over the chunks, the query side pulled back to weights
+    return cfg.index_head_dim * a
   chunk = _chunk_at(cfg.query_chunk, seq_len)
   key_grads = seq_len // chunk if chunk else 1
   return (cfg.index_n_heads * (cfg.index_head_dim + 1) + key_grads * cfg.index_head_dim) * a
@@ -339,8 +353,7 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
       "one layer's transients": max(batch_size / data_shards * seq_len * key_width * a_bytes,
                                     LAYER_TRANSIENT_COPIES[cfg.remat_policy]
                                     * max(b.rows_bytes(cfg, rows, seq_len) for b in per_layer)),
-      "chunked layer's full-length arrays": (CHUNKED_LAYER_FULL_LENGTH_COPIES * rows * cfg.d_model * a_bytes
-                                             if _runs_in_chunks(cfg, seq_len) else 0),
+      "chunked layer's full-length arrays": (_full_length_copies(cfg, seq_len) * rows * cfg.d_model * a_bytes),
       # One MoE layer's backward at a time; every remat policy runs it.
       "MoE routed experts": max(moe_expert_bytes(c, i, rows, grouped_kernel=grouped_kernel) for c, i in blocks),
       "deterministic attention slabs": _deterministic_slabs(cfg, rows, key_width),
@@ -418,5 +431,5 @@ def preflight(cfg: ModelConfig, *, batch_size: int, seq_len: int, mesh_shape: di
       "Set --config.train.memory_preflight=false to try anyway.")
 
 
-__all__ = ["LAYER_TRANSIENT_COPIES", "LOGITS_COPIES", "MOE_EXPANSION_F32_COPIES", "MemoryEstimate",
+__all__ = ["LAYER_TRANSIENT_COPIES", "WHOLE_LAYER_CHUNKS_FULL_LENGTH_COPIES", "LOGITS_COPIES", "MOE_EXPANSION_F32_COPIES", "MemoryEstimate",
            "MOE_GROUPED_COPIES", "RUNTIME_RESERVE_BYTES", "grouped_matmul_kernel_applies", "moe_expert_bytes", "device_memory_bytes", "device_peak_metrics", "estimate_training_memory", "preflight"]
