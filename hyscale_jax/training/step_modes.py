@@ -26,8 +26,9 @@ HOLISTIC: dict[str, dict] = {
     "fused_loss_grad": {"indexer_loss_grad_in_forward": True},
     # MLA attention over 128K query rows at a time and the FFN sub-block over 128K positions, for
     # 256K-1M tokens; each chunk then reruns its forward in the backward pass
-    # (ModelConfig.query_chunk, ModelConfig.ffn_chunk). No-op at T <= 128K. A chunk size the config
-    # already sets (nonzero) is kept: the mode turns chunking on, the user may choose its size.
+    # (ModelConfig.query_chunk, ModelConfig.ffn_chunk; equal sizes run the whole layer over the
+    # chunks, ModelConfig.layer_chunk). No-op at T <= 128K. A chunk size the config already sets
+    # (nonzero) is kept: the mode turns chunking on, the user may choose its size.
     "query_chunk": {"attention_query_chunk": 131072, "ffn_token_chunk": 131072},
 }
 _SIZES_THE_USER_KEEPS = ("attention_query_chunk", "ffn_token_chunk")
