@@ -47,6 +47,8 @@ def test_two_stages_metrics_checkpoints_and_resume(tmp_path):
   assert [r["step"] for r in _rows(workdir)] == [2, 4, 6, 8]
 
 
+# CI time: tests/test_reliability.py kills a real save midway (SIGKILL) and resumes; this staged one is slow.
+@pytest.mark.slow
 def test_a_save_killed_midway_is_ignored_on_resume(tmp_path):
   workdir = tmp_path / "run"
   lm.train_and_evaluate(_config(tmp_path, 3), str(workdir))

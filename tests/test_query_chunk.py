@@ -121,7 +121,8 @@ def _model_step(cfg, tokens):
   return value, load, grads
 
 
-@pytest.mark.parametrize("family", ["glm5_1", "deepseek_v4_flash"])
+# CI time: DeepSeek-V4 repeats GLM-5.1's coverage of the FFN chunk loop.
+@pytest.mark.parametrize("family", ["glm5_1", pytest.param("deepseek_v4_flash", marks=pytest.mark.slow)])
 def test_ffn_chunks_give_the_whole_block(family):
   """`model.ffn_token_chunk`: a dense layer and MoE layers (GLM), mHC residual streams and hash routing
   (DeepSeek-V4) give the same loss, expert load and gradients one chunk of positions at a time."""
@@ -153,7 +154,8 @@ def test_ffn_chunk_not_dividing_the_length_is_named():
     dataclasses.replace(_TINY, ffn_token_chunk=-16)
 
 
-@pytest.mark.parametrize("grad_in_forward", [False, True])
+# CI time: the layer loop is the same either way; grad_in_forward=True (what hyscale runs) also takes grads_out.
+@pytest.mark.parametrize("grad_in_forward", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_the_whole_layer_over_chunks_gives_the_whole_layer(grad_in_forward):
   """Equal query and FFN chunks run the whole layer over sequence chunks (`DecoderLayer._chunked_layer`):
   the same loss, expert load and gradients as the unchunked model (a dense and an MoE layer, two
