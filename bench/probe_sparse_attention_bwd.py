@@ -22,7 +22,6 @@ computed as q^T dS on wgmma; dq in a kernel of its own): 185.9-559.0 ms at mla64
 
 import argparse
 import functools
-import json
 import os
 import sys
 import time
@@ -39,7 +38,7 @@ from pallas_kernels.sparse_attention import (  # noqa: E402
     sparse_attention_forward_pallas,
 )
 from sparse_attention import SHAPES, Shape, flops, make_inputs, poison, rel_err  # noqa: E402
-from timing import CompileAhead, timed  # noqa: E402
+from timing import CompileAhead, timed, write_rows  # noqa: E402
 
 TODAY = Config(block_h=32, block_k=16, num_warps=4, num_stages=1, backward="triton")
 VARIANTS = {
@@ -153,19 +152,15 @@ def main():
   t0, rows = time.perf_counter(), []
   stamp(f"device {jax.devices()[0].device_kind}")
 
-  def save():
-    if a.out:
-      with open(a.out, "w") as f:
-        json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
 
   if a.smoke:
     SHAPES["probe_smoke"] = Shape(16, 1, 48, 32, 24, value_is_key=True)
     smoke = {"today": Config(block_h=8, block_k=8), "slices": Config(block_h=16, block_k=8, slice_h=4)}
     rows += run_shape("probe_smoke", 40, smoke, 1, 1, interpret=True)
-    save()
+    write_rows(a.out, rows)
     return
   rows += run_shape("mla64", a.seq, VARIANTS, a.reps, a.workers)
-  save()
+  write_rows(a.out, rows)
   ok = [r for r in rows if "ms" in r and not r["nan"] and max(r["dq_sampled_f32"], r["dk_sampled_f32"]) < 2e-2]
   best = min(ok, key=lambda r: r["ms"])["variant"]
   stamp(f"best at mla64 T={a.seq}: {best}")
@@ -173,13 +168,13 @@ def main():
   pick = lambda names: {"today": TODAY, **{named(n): VARIANTS[named(n)] for n in names}}
   if a.long_seq and time.perf_counter() - t0 < a.budget_s:
     rows += run_shape("mla64", a.long_seq, pick(["best"]), 3, a.workers)
-    save()
+    write_rows(a.out, rows)
   for name in a.later:
     if time.perf_counter() - t0 > a.budget_s:
       stamp(f"{name}: skipped (budget)")
       continue
     rows += run_shape(name, a.seq, pick(LATER[name]), 3, a.workers)
-    save()
+    write_rows(a.out, rows)
   stamp(f"done in {time.perf_counter() - t0:.0f} s")
 
 

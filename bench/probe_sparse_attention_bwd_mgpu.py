@@ -10,7 +10,6 @@ TileLang's count, `2 T H k (3 Dk + 2 Dv)`.
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -24,6 +23,7 @@ import probe_sparse_attention_bwd as base  # noqa: E402
 from pallas_kernels.sparse_attention import Config  # noqa: E402
 from pallas_kernels.sparse_attention import mgpu_backward  # noqa: E402
 from probe_sparse_attention_bwd import run_shape, stamp  # noqa: E402
+from timing import write_rows  # noqa: E402
 
 TRITON = dataclasses.replace(Config.backward_heuristics(576, 512, 2, 64, value_from_key=True), backward="triton")
 MOSAIC = mgpu_backward.Config
@@ -64,13 +64,9 @@ def main():
   t0, rows = time.perf_counter(), []
   stamp(f"device {jax.devices()[0].device_kind}")
 
-  def save():
-    if a.out:
-      with open(a.out, "w") as f:
-        json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
 
   rows += run_shape("mla64", a.seq, {k: VARIANTS[k] for k in (a.only or VARIANTS)}, a.reps, a.workers)
-  save()
+  write_rows(a.out, rows)
   ok = [r for r in rows if "ms" in r and not r["nan"] and max(r["dq_sampled_f32"], r["dk_sampled_f32"]) < 2e-2]
   best = min((r for r in ok if r["variant"] != "triton"), key=lambda r: r["ms"])["variant"]
   stamp(f"best at mla64 T={a.seq}: {best}")
@@ -81,7 +77,7 @@ def main():
       stamp(f"{name} T={T}: skipped (budget)")
       continue
     rows += run_shape(name, T, pick, reps, a.workers)
-    save()
+    write_rows(a.out, rows)
   stamp(f"done in {time.perf_counter() - t0:.0f} s")
 
 

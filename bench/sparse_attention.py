@@ -53,7 +53,7 @@ from pallas_kernels.sparse_attention import (  # noqa: E402
     sparse_attention_backward_pallas,
     sparse_attention_forward_pallas,
 )
-from timing import CompileAhead, timed  # noqa: E402
+from timing import CompileAhead, timed, write_rows  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,10 +407,6 @@ def run_table(shapes, seqs, dense_seq, reps, skip_reference_above, workers, out_
   timed row by row; the JSON is rewritten after each row, so a cut-off run keeps what it measured."""
   rows = []
 
-  def save():
-    if out_path:
-      with open(out_path, "w") as f:
-        json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
 
   keys = [(name, T) for name in shapes for T in seqs]
   programs = {key: row_programs(key[0], SHAPES[key[0]], key[1], key[1] > skip_reference_above,
@@ -422,18 +418,18 @@ def run_table(shapes, seqs, dense_seq, reps, skip_reference_above, workers, out_
     except Exception as e:  # noqa: BLE001 - one failing row (e.g. out of memory) does not end the table
       stamp(f"{name} T={T} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
       rows.append(dict(shape=name, T=T, error=f"{type(e).__name__}: {str(e)[:300]}"))
-      save()
+      write_rows(out_path, rows)
       continue
     rows.append(row)
     print_row(row)
-    save()
+    write_rows(out_path, rows)
   if dense_seq:
     name = shapes[0]
     dense = run_dense_teacher(SHAPES[name], dense_seq, reps)
     rows.append(dict(shape=name, T=dense_seq, **dense))
     print(f"{name:6s} T={dense_seq:6d} | dense warm-up indexer loss fwd+bwd (reference, streamed): "
           f"{dense['dense_warmup_loss_ms']:.1f} ms", flush=True)
-    save()
+    write_rows(out_path, rows)
   return rows
 
 

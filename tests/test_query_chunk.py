@@ -90,10 +90,8 @@ def test_bad_chunk_config_is_rejected(value):
     dataclasses.replace(_TINY, attention_query_chunk=value)
 
 
-@pytest.mark.parametrize("chunk", [0, CHUNK])
-def test_a_chunked_model_saves_the_selection_but_not_the_attention_output(chunk, capsys):
-  """Under "selection_replay" a chunked layer keeps only its selection (the output is what chunking avoids)."""
-  cfg = dataclasses.replace(_TINY, n_layers=1, attention_query_chunk=chunk)
+def _saved_residuals(cfg, capsys) -> list[str]:
+  """The "dtype[shape" of each residual a model step of `cfg` saves for its backward pass."""
   graphdef, params, rest = nnx.split(models.build(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
   tokens = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size)
 
@@ -102,7 +100,14 @@ def test_a_chunked_model_saves_the_selection_but_not_the_attention_output(chunk,
     return jnp.mean(out.logits**2) + out.aux["indexer_loss"]
 
   jax.ad_checkpoint.print_saved_residuals(loss, params)
-  saved = [line.split("]")[0] for line in capsys.readouterr().out.splitlines() if "[" in line]  # "dtype[shape"
+  return [line.split("]")[0] for line in capsys.readouterr().out.splitlines() if "[" in line]
+
+
+@pytest.mark.parametrize("chunk", [0, CHUNK])
+def test_a_chunked_model_saves_the_selection_but_not_the_attention_output(chunk, capsys):
+  """Under "selection_replay" a chunked layer keeps only its selection (the output is what chunking avoids)."""
+  cfg = dataclasses.replace(_TINY, n_layers=1, attention_query_chunk=chunk)
+  saved = _saved_residuals(cfg, capsys)
   attention_out = [s for s in saved if s.endswith(f",{cfg.n_heads},{cfg.kv_lora_rank}")]  # [..., T, H, L]
   selection = [s for s in saved if s.startswith("i32") and s.endswith(f",{cfg.index_topk}")]
   assert selection, saved
@@ -196,15 +201,7 @@ def test_the_whole_layer_over_chunks_saves_one_index_key_gradient(capsys):
   (its weights' gradient instead)."""
   cfg = dataclasses.replace(_TINY, n_layers=1, attention_query_chunk=CHUNK, ffn_token_chunk=CHUNK,
                             indexer_loss_grad_in_forward=True)
-  graphdef, params, rest = nnx.split(models.build(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
-  tokens = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size)
-
-  def loss(p):
-    out = nnx.merge(graphdef, p, rest)(tokens)
-    return jnp.mean(out.logits**2) + out.aux["indexer_loss"]
-
-  jax.ad_checkpoint.print_saved_residuals(loss, params)
-  saved = [line.split("]")[0] for line in capsys.readouterr().out.splitlines() if "[" in line]  # "dtype[shape"
+  saved = _saved_residuals(cfg, capsys)
   key_grads = [s for s in saved if s.endswith(f"{T},{cfg.index_head_dim}")]
   assert len(key_grads) == 1 and key_grads[0].endswith(f"[1,{T},{cfg.index_head_dim}"), saved
   assert any(s.startswith("i32") and s.endswith(f",{cfg.index_topk}") for s in saved), saved
