@@ -51,6 +51,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.sparse_attention import mgpu_forward as fwd
+from pallas_kernels.sparse_attention.sparse_attention import row_delta
 
 _HEADS = fwd._HEADS
 _BLOCK_K = 64  # keys a step: dK's rows are one warpgroup MMA's M
@@ -305,7 +306,7 @@ def sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, *, scale
   K_pad = -(-K // _BLOCK_K) * _BLOCK_K
   indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, K_pad - K)), constant_values=-1)
   f32 = lambda x: x.astype(jnp.float32)
-  delta = jnp.sum(f32(dout) * f32(out), axis=-1) - f32(dlse)
+  delta = row_delta(out, dout, dlse)
   lse2 = jnp.where(jnp.isfinite(lse), f32(lse) * _LOG2E, 0.0)  # an empty row's P is 0 by its mask
   dk_acc = jax.new_ref(jnp.zeros((B, S, Dk), jnp.float32))
   kernel = functools.partial(_backward_kernel, scale=float(scale), consumer_registers=config.consumer_registers,

@@ -549,8 +549,7 @@ def sparse_attention_backward_pallas(residuals, cotangents, *, scale, determinis
                                        value_from_key=v is None)
   config, interpret = _resolve(config, default, interpret)
   lay = _Layout.make(q, k, Dv, indices, config, interpret)
-  # delta_t,h = <dout, out> - dlse: the softmax Jacobian's row term, with lse's own cotangent folded in.
-  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
+  delta = row_delta(out, dout, dlse)
   rows = [*lay.split_dim(lay.pad_heads(q)), lay.pad_indices(indices), lay.pad_heads(dout.astype(q.dtype)),
           lay.pad_heads(lse, -jnp.inf), lay.pad_heads(delta)]
   keys = [*lay.split_dim(lay.pad_keys(k))] + ([] if v is None else [lay.pad_keys(v)])
@@ -574,6 +573,12 @@ def sparse_attention_backward_pallas(residuals, cotangents, *, scale, determinis
   dk = dk.astype(k.dtype)
   dv = None if dv is None else dv.astype(v.dtype)
   return dq, dk, dv, _dsinks(sinks, lse, delta)
+
+
+def row_delta(out, dout, dlse):
+  """f32 [B, T, H] delta = <dout, out> - dlse: the softmax Jacobian's row term, with lse's own cotangent
+  folded in (both backward kernels, and the sinks' gradient)."""
+  return jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
 
 
 def _dsinks(sinks, lse, delta):
@@ -608,8 +613,7 @@ def _mosaic_backward(residuals, cotangents, *, scale, deterministic, config, int
       raise
     return None
   dq, dk = mgpu_backward.sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, scale=scale)
-  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
-  return dq, dk.astype(k.dtype), None, _dsinks(sinks, lse, delta)
+  return dq, dk.astype(k.dtype), None, _dsinks(sinks, lse, row_delta(out, dout, dlse))
 
 
 # ------------------------------------------------------------------------------------------------
