@@ -101,22 +101,25 @@ def _local_loss(head, chunk, params, h, targets, mask, *, grads: bool, axes: tup
   split, join = st.row_chunks(chunk_layout(h.shape[1], chunk)[1], h.shape[1])  # [B, T, ...] <-> [n, B, rows, ...]
   chunks = tuple(split(x) for x in (h, targets, mask))
 
-  def body(carry, chunk):
-    total, dparams = carry
-    hc, tc, mc = chunk
+  def body(i, carry):
+    total, dparams, dh = carry
+    hc, tc, mc = (jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in chunks)
     if not grads:
-      return (total + jnp.sum(_nll(head(params, hc), tc)[2] * mc), None), None
+      return total + jnp.sum(_nll(head(params, hc), tc)[2] * mc), None, None
     logits, vjp = jax.vjp(head, params, hc)
     z, lse, nll = _nll(logits, tc)
     # d(loss)/dz = (softmax - one-hot) * mask / count: a [B, rows, V] temporary of this step only.
     dz = jnp.exp(z - lse[..., None])
     dz = jnp.where(jax.lax.broadcasted_iota(jnp.int32, z.shape, 2) == tc[..., None], dz - 1.0, dz)
-    dp, dh = vjp((dz * (mc / count)[..., None]).astype(logits.dtype))
+    dp, dh_rows = vjp((dz * (mc / count)[..., None]).astype(logits.dtype))
     dparams = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), dparams, dp)
-    return (total + jnp.sum(nll * mc), dparams), dh
+    return total + jnp.sum(nll * mc), dparams, dh.at[i].set(dh_rows)
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params) if grads else None
-  (total, dparams), dh = jax.lax.scan(body, (jnp.float32(0), zeros), chunks)
+  # dh (a [B, T, D] residual until the backward pass) is written into a buffer made here, not one
+  # XLA would allocate at the start of the step (st.fresh_zeros).
+  dh = st.fresh_zeros(chunks[0].shape, chunks[0].dtype, h) if grads else None
+  total, dparams, dh = jax.lax.fori_loop(0, chunks[0].shape[0], body, (jnp.float32(0), zeros, dh))
   loss = psum(total) / count
   return (loss, psum(dparams), join(dh)) if grads else loss
 

@@ -132,7 +132,7 @@ class MLASparseAttention(nnx.Module):
     k, _ = self._mqa_keys(x, positions)
     return k, None if self.indexer is None else self.indexer.keys(x, positions)
 
-  def query_rows(self, keys, segment_ids, backends, *, grads_out: bool = False):
+  def query_rows(self, keys, segment_ids, backends, *, grads_out: bool = False, replay: bool = False):
     """The sparse path for some query rows against all keys: a function of (x [B, t, D] normalised rows,
     positions, their segment ids, q_offset i32[] of their first row, shared indices or None) ->
     (out [B, t, D], indices i32[B, t, K], indexer loss f32[] or None, rows counted or None, grads).
@@ -143,6 +143,9 @@ class MLASparseAttention(nnx.Module):
     `grads` is its gradient (of this call's mean, at unit cotangent): (f32[B, T, DI] w.r.t. index_k,
     the indexer's `nnx.Param` state w.r.t. its query side's weights, pulled back here), for the
     caller to sum over chunks and save once (`ops.indexer_loss(grads_out=True)`); None otherwise.
+    With `replay` the given indices are the forward pass's selection of these rows (a backward pass
+    recomputing them, `models/layer_chunks.py`): no top-k runs, and the indexer loss only where it
+    carries a gradient (not with `indexer_loss_grad_in_forward`; its value is then None).
     """
     cfg = self.cfg
     scale = self.scale
@@ -155,8 +158,10 @@ class MLASparseAttention(nnx.Module):
       B, t = x.shape[:2]
       q, c_q = self._mqa_queries(x, positions, w_uk)
       loss = rows_counted = grads = None
-      if self.indexer is not None:
-        index_q, index_w = self.indexer.queries(x, c_q, positions)
+      indexer = None if replay and cfg.indexer_loss_grad_in_forward else self.indexer
+      if indexer is not None:
+        index_q, index_w = indexer.queries(x, c_q, positions)
+      if self.indexer is not None and not replay:
         indices = ops.flash_topk(index_q, index_k, index_w, topk=cfg.index_topk, scale=self.indexer.score_scale,
                                  q_offset=q_offset, segment_ids=(q_seg, segment_ids),
                                  backend=backend("flash_topk")).indices
@@ -164,7 +169,7 @@ class MLASparseAttention(nnx.Module):
       out, lse = ops.sparse_attention(q, k, None, indices, scale=scale, value_dim=cfg.kv_lora_rank,
                                       deterministic=cfg.sparse_attention_deterministic,
                                       backend=backend("sparse_attention"))
-      if self.indexer is not None:
+      if indexer is not None:
         loss, rows_counted, *grads = ops.indexer_loss(
             index_q, index_k, index_w, q, k, lse, indices, attn_scale=scale, index_scale=self.indexer.score_scale,
             grad_in_forward=cfg.indexer_loss_grad_in_forward, with_row_count=True, grads_out=grads_out,

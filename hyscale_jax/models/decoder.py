@@ -16,6 +16,7 @@ from hyscale_jax.layers.lm_head import Head, chunked_lm_loss
 from hyscale_jax.layers.mlp import MLP
 from hyscale_jax.layers.moe import MoE
 from hyscale_jax.model_config import ModelConfig
+from hyscale_jax.models import layer_chunks
 from hyscale_jax.models.mtp import MTPLayer, depth_targets, shift_left
 from hyscale_jax.ops import _streaming as st
 
@@ -138,11 +139,12 @@ class DecoderLayer(nnx.Module):
 
     The keys (MLA's latent and rope keys, the indexer's) of all T positions come from one loop over
     the chunks' normalised rows; then a second loop runs, per chunk, the pre-norm, the queries,
-    selection, attention and indexer loss, the residual, and the FFN sub-block, each chunk
-    rematerialized with the config's policy (it keeps its selection). Every part but the keys is
-    per position, so the result is `__call__`'s unchunked one; what changes is that only the layer's
-    input and output (and, in the backward pass, their cotangents) and the keys exist at full length,
-    not the attention output, the residual between the sub-blocks, nor their cotangents.
+    selection, attention and indexer loss, the residual, and the FFN sub-block. Every part but the
+    keys is per position, so the result is `__call__`'s unchunked one; what changes is that only the
+    layer's input and output (in the backward pass, their cotangents, in one buffer) and the keys
+    exist at full length, not the attention output, the residual between the sub-blocks, nor their
+    cotangents. The loops and their backward pass are `layer_chunks.chunked_layer`'s (a custom_vjp
+    that recomputes each chunk from the saved selection).
     The indexer loss's gradient (when computed in the forward pass) is summed over the chunks in the
     loop's carry, as the index keys' gradient and the indexer weights' gradient from its queries,
     and saved once for the layer: not [T, DI] per chunk and [T, HI, DI] of query gradients.
@@ -150,33 +152,11 @@ class DecoderLayer(nnx.Module):
     Returns `__call__`'s (x, indices, indexer_loss, expert_load).
     """
     attn, cfg = self.self_attn, self.cfg
-    T = x.shape[1]
-    split, join = st.row_chunks(chunk, T)
-    norm = lambda rows: _prenorm(self.input_layernorm, rows)
-    key_rows = jax.checkpoint(lambda xs: attn.keys(norm(xs[0]), xs[1]), prevent_cse=False)
-    k, index_k = jax.tree.map(join, jax.lax.map(key_rows, (split(x), split(positions))))
-    # Every chunk adds to the keys' gradients: sum them in f32, not in the keys' dtype.
-    keys = st.summed_in_f32((k, index_k))
-    query_rows = attn.query_rows(keys, segment_ids, backends, grads_out=True)
     indexer_params = None
     if cfg.indexer_loss_grad_in_forward and attn.indexer is not None:
       indexer_params = nnx.state(attn.indexer, nnx.Param)
-
-    def body(grad_sums, xs):
-      rows, positions, q_seg, q_offset, indices, token_ids = xs
-      out, indices, loss, rows_counted, grads = query_rows(norm(rows), positions, q_seg, q_offset, indices)
-      rows, load = self._ffn(rows + out, token_ids, backends)
-      if grads is not None:  # the gradients of the chunk's summed KL: its mean's times its rows
-        grad_sums = jax.tree.map(lambda a, g: a + g * rows_counted.astype(jnp.float32), grad_sums, grads)
-      return grad_sums, (rows, indices, loss, rows_counted, load)
-
-    starts = jnp.arange(T // chunk, dtype=jnp.int32) * chunk
-    body = remat.remat(body, cfg.remat_policy, prevent_cse=False, save_attention=False)
-    zeros = lambda a: jnp.zeros(a.shape, jnp.float32)
-    grad_sums = None if indexer_params is None else (zeros(index_k), jax.tree.map(zeros, indexer_params))
-    grad_sums, (out, indices, losses, rows_counted, loads) = jax.lax.scan(
-        body, grad_sums, (split(x), split(positions), split(segment_ids), starts, split(shared_indices),
-                          split(token_ids)))
+    out, indices, losses, rows_counted, loads, grad_sums, index_k = layer_chunks.chunked_layer(
+        self, x, positions, segment_ids, shared_indices, token_ids, backends, chunk)
     indexer_loss = None
     if losses is not None:  # the mean over all counted rows, from the chunks' means
       n = jnp.maximum(rows_counted.sum(), 1).astype(losses.dtype)
@@ -187,7 +167,7 @@ class DecoderLayer(nnx.Module):
       for grad, x_ in zip(jax.tree.leaves(grad_sums), jax.tree.leaves((index_k, indexer_params)), strict=True):
         grad = remat.tag((grad / n).astype(x_.dtype), remat.INDEXER_GRADS)
         indexer_loss = indexer_loss + jnp.sum((grad * (x_ - jax.lax.stop_gradient(x_))).astype(jnp.float32))
-    return join(out), join(indices), indexer_loss, None if loads is None else loads.mean(axis=0)
+    return out, indices, indexer_loss, None if loads is None else loads.mean(axis=0)
 
   def _ffn(self, x, token_ids, backends):
     """The FFN sub-block on residual rows x [B, t, ...]: (the residual after it, expert_load f32[E] or None)."""

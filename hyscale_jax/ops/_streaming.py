@@ -71,6 +71,18 @@ def row_chunks(chunk: int, length: int):
   return split, join
 
 
+def fresh_zeros(shape, dtype, after: jax.Array) -> jax.Array:
+  """Zeros of `shape` for a loop to write into, that XLA can neither share nor make before `after`.
+
+  XLA merges the constant zero broadcasts of a program into one and copies each loop's buffer out
+  of it wherever it schedules the copy: at the start of the step, in practice, so every loop's
+  [T, D] output is live from then on. A zero read through an optimization barrier tied to `after`
+  (an input of the loop) is neither merged nor made early.
+  """
+  zero, _ = jax.lax.optimization_barrier((jnp.zeros((), dtype), after))
+  return jnp.broadcast_to(zero, shape)
+
+
 def summed_in_f32(tree):
   """A thunk giving `tree` back, for a row-chunk loop to call inside each chunk.
 

@@ -73,11 +73,14 @@ MOE_GROUPED_COPIES = 1.0
 # measured (5.4), and 1M (32K chunks) 222.9 GiB asked of the allocator when it ran out (6.7).
 CHUNKED_LAYER_FULL_LENGTH_COPIES = 6.0
 # The same when the whole layer runs over sequence chunks (`ModelConfig.layer_chunk`: equal query
-# and FFN chunks; `DecoderLayer._chunked_layer`): the layer's output cotangent, its input gradient
-# from the chunk loop and the one from the key loop stay at full length. Against the same model's
-# H200 figures (bench/memory_proxy.py --run): 512K with 32K chunks 96.2 GiB peak (estimate 94.3),
-# 1M with 16K chunks 136.7 GiB asked of the allocator when it ran out (estimate 139.2).
-WHOLE_LAYER_CHUNKS_FULL_LENGTH_COPIES = 3.0
+# and FFN chunks; `models/layer_chunks.py`): the layer's output, written into a copy of its input,
+# and in the backward pass the output's cotangent, overwritten in place by the input's; and the LM
+# loss's input gradient, kept from its forward pass. With the loops' outputs left to autodiff (three
+# copies fitted) the H200 figures were 96.2 GiB peak at 512K with 32K chunks (estimate 94.3) and
+# 136.7 GiB asked of the allocator at 1M with 16K chunks (estimate 139.2). Two is the count of the
+# in-place design, a prior not yet measured on the H200: `bench/memory_proxy.py` on the CPU went
+# from 137.7 to 81.2 GiB of temporaries at 1M (16K chunks) with it.
+WHOLE_LAYER_CHUNKS_FULL_LENGTH_COPIES = 2.0
 # What the device's peak holds beyond the compiled program: 70 MB on the tiny H200 run, 0.2 GiB at 16K.
 RUNTIME_RESERVE_BYTES = 64 * 2**20
 

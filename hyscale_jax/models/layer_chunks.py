@@ -1,0 +1,162 @@
+"""A sparse decoder layer over sequence chunks, with a backward pass that writes in place (issue 19).
+
+`DecoderLayer._chunked_layer` runs the whole layer `chunk` positions at a time: the keys of all T
+positions first, then per chunk the pre-norm, queries, selection, attention, indexer loss, residual
+and FFN. Written as `jax.lax.scan`s and left to autodiff, every loop's stacked output and every
+transposed loop's stacked input cotangent is a fresh [T, D] buffer that XLA zero-fills: one
+broadcast shared by all of them (CSE) and copied out of it at the start of the step, so at 1M tokens
+five [T, D] buffers of 12 GiB are live before the first layer has run (`bench/memory_proxy.py`).
+
+Here the layer is one `jax.custom_vjp` that owns its buffers:
+
+- forward: the output is written chunk by chunk into a copy of the layer's input (each chunk reads
+  its own rows before overwriting them), the selection into a buffer made after the input exists;
+- backward: each chunk is recomputed from the saved selection (selection replay: no top-k) and
+  pulled back with `jax.vjp`, newest first; its input rows' cotangent overwrites its rows of the
+  output's cotangent, so the input's cotangent is the same buffer. The keys' cotangents are summed
+  in f32 over the chunks, then pulled back through the keys one chunk at a time into that buffer.
+
+Residuals: the layer's inputs (parameters, x, positions, segment ids, shared indices, token ids)
+and the selection, tagged `remat.SELECTION`, so an enclosing `jax.checkpoint` with the
+`"selection_replay"` policy keeps it and recomputes nothing else of the forward pass ("full"
+recomputes the forward pass, selection included, as its baseline asks).
+
+The per-chunk outputs that carry no gradient get none: the expert load (a fraction of routing
+slots), the rows counted, and the indexer loss's forward-pass gradient sums (used only in a
+value-zero term). The indexer loss itself is differentiated when it has a gradient
+(`indexer_loss_grad_in_forward` off). Parameter cotangents are summed over the chunks in the
+parameters' dtype, as the scan's transpose sums them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hyscale_jax import remat
+from hyscale_jax.ops._streaming import fresh_zeros
+
+
+def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, backends, chunk: int):
+  """`DecoderLayer.__call__`'s sparse path over `chunk`-row sequence chunks (T a multiple of `chunk`).
+
+  Args:
+    layer: the `DecoderLayer` (MLA attention with `keys`/`query_rows`, plain residual).
+    x: [B, T, D] the layer input.
+    positions, segment_ids: i32[B, T].
+    shared_indices: i32[B, T, K] the previous layer's selection (IndexShare) or None.
+    token_ids: i32[B, T] or None (hash-routed MoE).
+    backends: the ops' backend names (an object with attributes) or None.
+    chunk: rows per chunk.
+
+  Returns:
+    (x [B, T, D], indices i32[B, T, K], indexer losses f32[n] per chunk or None, rows counted i32[n]
+    or None, expert loads f32[n, E] or None, the indexer loss's forward-pass gradient sums (f32
+    [B, T, DI] for the index keys, and the indexer's `nnx.Param` state) or None, and with those the
+    index keys [B, T, DI], whose cotangent (that gradient, applied by the caller) reaches the keys'
+    weights); n = T // chunk.
+  """
+  from hyscale_jax.models.decoder import _prenorm  # noqa: PLC0415 (decoder imports this module)
+
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  cfg = layer.cfg
+  B, T = x.shape[:2]
+  n = T // chunk
+  grads_out = cfg.indexer_loss_grad_in_forward and layer.self_attn.indexer is not None
+  take = lambda a, i: None if a is None else jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1)
+  put = lambda buf, rows, i: jax.lax.dynamic_update_slice_in_dim(buf, rows, i * chunk, axis=1)
+
+  def keys_of(params, rest, rows, positions):
+    """(k [B, c, 1, L+R], index_k [B, c, DI] or None) of input rows [B, c, D]."""
+    layer = nnx.merge(graphdef, params, rest)
+    return layer.self_attn.keys(_prenorm(layer.input_layernorm, rows), positions)
+
+  def all_keys(params, rest, x, positions):
+    split = lambda a: a.reshape(B, n, chunk, *a.shape[2:]).swapaxes(0, 1)
+    join = lambda a: None if a is None else a.swapaxes(0, 1).reshape(B, T, *a.shape[3:])
+    return jax.tree.map(join, jax.lax.map(lambda xs: keys_of(params, rest, *xs), (split(x), split(positions))))
+
+  def rows_of(params, rest, keys, dtypes, rows, i, positions, segment_ids, indices, token_ids, *, replay):
+    """Chunk i of the layer: (output rows [B, c, D], indexer loss or None, (indices, rows counted, load,
+    gradient sums)). `keys` may be f32 copies of keys of `dtypes`, cast back inside (so that their
+    cotangents are f32); `indices` are chunk i's shared indices, or with `replay` its selection."""
+    layer = nnx.merge(graphdef, params, rest)
+    keys_thunk = lambda: jax.tree.map(lambda a, d: a.astype(d), keys, dtypes)
+    query_rows = layer.self_attn.query_rows(keys_thunk, segment_ids, backends, grads_out=grads_out and not replay,
+                                            replay=replay)
+    out, indices, loss, rows_counted, grads = query_rows(_prenorm(layer.input_layernorm, rows), take(positions, i),
+                                                          take(segment_ids, i), i * chunk, indices)
+    rows, load = layer._ffn(rows + out, take(token_ids, i), backends)
+    return rows, loss, (indices, rows_counted, load, grads)
+
+  def forward(params, rest, x, positions, segment_ids, shared_indices, token_ids):
+    keys = all_keys(params, rest, x, positions)
+    dtypes = jax.tree.map(lambda a: a.dtype, keys)
+    chunk_fn = lambda out, i: rows_of(params, rest, keys, dtypes, take(out, i), i, positions, segment_ids,
+                                      take(shared_indices, i), token_ids, replay=False)
+    probe = jax.eval_shape(lambda: chunk_fn(x, 0))
+    _, loss_shape, (sel_shape, count_shape, load_shape, grads_shape) = probe
+    stacked = lambda s: None if s is None else jnp.zeros((n, *s.shape), s.dtype)
+    carry = (x, fresh_zeros((B, T, sel_shape.shape[-1]), sel_shape.dtype, x), stacked(loss_shape),
+             stacked(count_shape), stacked(load_shape),
+             jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), grads_shape))
+
+    def body(i, carry):
+      out, sel, losses, counts, loads, grad_sums = carry
+      rows, loss, (indices, rows_counted, load, grads) = chunk_fn(out, i)
+      at = lambda buf, value: None if buf is None else buf.at[i].set(value)
+      if grads is not None:  # the gradients of the chunk's mean KL: its sum's are them times its rows
+        grad_sums = jax.tree.map(lambda a, g: a + g * rows_counted.astype(jnp.float32), grad_sums, grads)
+      return (put(out, rows, i), put(sel, indices.astype(sel.dtype), i), at(losses, loss), at(counts, rows_counted),
+              at(loads, load), grad_sums)
+
+    out, sel, losses, counts, loads, grad_sums = jax.lax.fori_loop(0, n, body, carry)
+    return out, sel, losses, counts, loads, grad_sums, keys[1] if grads_out else None
+
+  @jax.custom_vjp
+  def run(params, rest, x, positions, segment_ids, shared_indices, token_ids):
+    return forward(params, rest, x, positions, segment_ids, shared_indices, token_ids)
+
+  def run_fwd(params, rest, x, positions, segment_ids, shared_indices, token_ids):
+    outs = forward(params, rest, x, positions, segment_ids, shared_indices, token_ids)
+    selection = remat.tag(outs[1], remat.SELECTION)
+    return outs, (params, rest, x, positions, segment_ids, shared_indices, token_ids, selection)
+
+  def run_bwd(residuals, cotangents):
+    params, rest, x, positions, segment_ids, shared_indices, token_ids, selection = residuals
+    d_out, _, d_losses, *_, d_index_k = cotangents
+    keys = all_keys(params, rest, x, positions)
+    dtypes = jax.tree.map(lambda a: a.dtype, keys)
+    wide = jax.tree.map(lambda a: a.astype(jnp.float32), keys)
+    zeros_like = lambda tree: jax.tree.map(lambda a: fresh_zeros(a.shape, a.dtype, d_out), tree)
+    d_params, d_wide = zeros_like(params), zeros_like(wide)
+    if d_index_k is not None:  # the index keys' own cotangent (the indexer loss's saved gradient)
+      d_wide = (d_wide[0], d_index_k.astype(jnp.float32))
+
+    def chunk_back(j, carry):
+      d_x, d_params, d_wide = carry
+      i = n - 1 - j
+      chunk_fn = lambda p, w, r: rows_of(p, rest, w, dtypes, r, i, positions, segment_ids, take(selection, i),
+                                         token_ids, replay=True)[:2]
+      (_, loss), pullback = jax.vjp(chunk_fn, params, wide, take(x, i))
+      d_loss = None if loss is None else d_losses[i].astype(loss.dtype)
+      dp, dw, d_rows = pullback((take(d_x, i), d_loss))
+      add = lambda a, b: jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, b)
+      return put(d_x, d_rows, i), add(d_params, dp), add(d_wide, dw)
+
+    d_x, d_params, d_wide = jax.lax.fori_loop(0, n, chunk_back, (d_out, d_params, d_wide))
+
+    def keys_back(i, carry):
+      d_x, d_params = carry
+      _, pullback = jax.vjp(lambda p, r: keys_of(p, rest, r, take(positions, i)), params, take(x, i))
+      d_keys = jax.tree.map(lambda a, dtype: take(a, i).astype(dtype), d_wide, dtypes)
+      dp, d_rows = pullback(d_keys)
+      d_params = jax.tree.map(lambda u, v: u + v.astype(u.dtype), d_params, dp)
+      return put(d_x, take(d_x, i) + d_rows, i), d_params
+
+    d_x, d_params = jax.lax.fori_loop(0, n, keys_back, (d_x, d_params))
+    return d_params, None, d_x, None, None, None, None
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(params, rest, x, positions, segment_ids, shared_indices, token_ids)
