@@ -1,20 +1,79 @@
-"""Device timing shared by the bench scripts."""
+"""Device timing shared by the bench scripts.
 
+On a GPU, `timed` reads the device's own timestamps: the calls run under `jax.profiler.trace`, a
+pause apart, and each call's time is the span from its first kernel's start to its last kernel's
+end on the device planes of the trace (CUPTI's records, as CUDA events around the call would give),
+so host launch and synchronisation costs are not in it. Elsewhere (the CPU) it is the wall clock
+to `block_until_ready`.
+"""
+
+import glob
 import json
+import os
+import tempfile
 import time
 
 import jax
 import numpy as np
 
+# Host pause between timed calls: the device idles this long, so the calls' kernels separate by gaps
+# above half of it, and no call's own kernels are that far apart (a while loop's host round trip
+# takes tens of microseconds).
+PAUSE_S = 0.02
+
+
+def split_spans(intervals, gap_ns: float) -> list[float]:
+  """Nanoseconds from first start to last end of each group of (start_ns, end_ns) intervals that the
+  device ran without an idle gap above `gap_ns`; the groups in time order."""
+  spans, first, last = [], None, None
+  for start, end in sorted(intervals):
+    if first is not None and start - last > gap_ns:
+      spans.append(last - first)
+      first = None
+    if first is None:
+      first, last = start, end
+    last = max(last, end)
+  if first is not None:
+    spans.append(last - first)
+  return spans
+
+
+def device_spans(run, reps: int) -> list[float] | None:
+  """Seconds on the device of each of `reps` calls of `run()` (which blocks until its outputs are
+  ready), from a profiler trace; None when the trace has no device events or not one group per call."""
+  from jax.profiler import ProfileData  # noqa: PLC0415
+
+  with tempfile.TemporaryDirectory() as folder:
+    with jax.profiler.trace(folder):
+      for _ in range(reps):
+        run()
+        time.sleep(PAUSE_S)
+    files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+      return None
+    data = ProfileData.from_file(files[0])
+  intervals = [(e.start_ns, e.start_ns + e.duration_ns) for plane in data.planes
+               if plane.name.startswith("/device:") for line in plane.lines for e in line.events]
+  spans = split_spans(intervals, PAUSE_S * 1e9 / 2)
+  return [s * 1e-9 for s in spans] if len(spans) == reps else None
+
 
 def timed(fn, *args, reps=5, warmup=True):
-  """Median seconds of `fn(*args)` after a warm-up call, synchronised with block_until_ready."""
+  """Median seconds of `fn(*args)` after a warm-up call: the device's time on a GPU (`device_spans`),
+  else the wall clock to block_until_ready (also on a GPU if the trace gives no one span per call,
+  with a note)."""
+  run = lambda: jax.block_until_ready(fn(*args))
   if warmup:
-    jax.block_until_ready(fn(*args))
+    run()
+  if jax.devices()[0].platform == "gpu":
+    spans = device_spans(run, reps)
+    if spans is not None:
+      return float(np.median(spans))
+    print("timing: the profiler trace gave no one device span per call; wall clock instead", flush=True)
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    run()
     times.append(time.perf_counter() - t0)
   return float(np.median(times))
 
