@@ -3,14 +3,57 @@
     XLA_FLAGS="--xla_dump_to=/tmp/dump --xla_dump_hlo_module_re=.*train_step.* --xla_dump_hlo_as_text" \
         python train.py ...            # compiles (and may run out of memory: the dump is written first)
     python bench/xla_peak_buffers.py /tmp/dump --module train_step --lines 45
+    python bench/xla_peak_buffers.py /tmp/mp --module step --live 1   # bench/memory_proxy.py --dump /tmp/mp
 
-Prints the head of each matching `*memory-usage-report.txt` that XLA's GPU compiler writes: the
-total, then buffers by size with the shapes that share each one.
+Prints the head of each matching `*memory-usage-report.txt` that XLA's compiler writes: the
+total, then buffers by size with the shapes that share each one. With `--live GIB` it also reads
+the module's `*-buffer-assignment.txt` and `*-live-range.txt` and prints the values of the
+temporary allocation live at the schedule's peak (at least GIB each), with their live ranges: what
+is held there, as against the heap's packed size that the report totals.
 """
 
 import argparse
 import glob
 import os
+import re
+
+
+def _temp_values(assignment: str) -> dict:
+  """{(instruction, shape index): (bytes, offset, shape)} of the preallocated temporary allocation."""
+  temp = assignment.split("preallocated-temp:")[1].split("\nallocation")[0]
+  pattern = r"value: <\d+ ([^\s{]+)(\{[\d,]*\})? @\S*> \(size=(\d+),offset=(\d+)\): (\S+)"
+  return {(name, index or "{}"): (int(size), int(offset), shape)
+          for name, index, size, offset, shape in re.findall(pattern, temp)}
+
+
+def _live_ranges(live_range: str) -> dict:
+  """{(instruction, shape index): (first, last) schedule positions}."""
+  ranges = live_range.split("BufferLiveRange:")[1]
+  return {(name, "{" + index + "}"): (int(a), int(b))
+          for name, index, a, b in re.findall(r"^\s+(\S+?)\{(\S*)\}:(\d+)-(\d+)", ranges, re.M)}
+
+
+def live_at_peak(assignment: str, live_range: str):
+  """(peak position, bytes live there, [(bytes, first, last, instruction, shape)] live there), where the
+  bytes are the union of the live values' [offset, offset + size) in the temporary allocation."""
+  values, ranges = _temp_values(assignment), _live_ranges(live_range)
+  items = [(size, offset, *ranges[key], key[0], shape) for key, (size, offset, shape) in values.items()
+           if key in ranges]
+
+  def held(t):
+    total, covered = 0, -1
+    for lo, hi in sorted((o, o + s) for s, o, a, b, *_ in items if a <= t <= b):
+      lo = max(lo, covered)
+      if hi > lo:
+        total, covered = total + hi - lo, hi
+    return total
+
+  # The peak is where some large value starts or ends; the largest values' ends are enough to look at.
+  largest = sorted(items, key=lambda v: -v[0])[:200]
+  candidates = sorted({a for _, _, a, _, *_ in largest} | {b for _, _, _, b, *_ in largest})
+  peak = max(candidates, key=held, default=0)
+  live = sorted(((s, a, b, name, shape) for s, o, a, b, name, shape in items if a <= peak <= b), reverse=True)
+  return peak, held(peak), live
 
 
 def main(argv=None):
@@ -18,6 +61,8 @@ def main(argv=None):
   parser.add_argument("dump_dir")
   parser.add_argument("--module", default="train_step", help="a fragment of the jitted function's name")
   parser.add_argument("--lines", type=int, default=45, help="lines of each report to print")
+  parser.add_argument("--live", type=float, default=None, metavar="GIB",
+                      help="also the values live at the schedule's peak, those of at least GIB")
   args = parser.parse_args(argv)
   reports = sorted(glob.glob(os.path.join(args.dump_dir, f"*{args.module}*memory-usage-report.txt")))
   if not reports:
@@ -27,6 +72,14 @@ def main(argv=None):
     print("==", os.path.basename(path))
     with open(path) as f:
       print("".join(f.readlines()[:args.lines]))
+    if args.live is not None:
+      stem = path[:-len("memory-usage-report.txt")]
+      with open(stem + "buffer-assignment.txt") as f, open(stem + "live-range.txt") as g:
+        peak, held, live = live_at_peak(f.read(), g.read())
+      print(f"live at schedule position {peak}: {held / 2**30:.1f} GiB")
+      for size, first, last, name, shape in live:
+        if size >= args.live * 2**30:
+          print(f"  {size / 2**30:7.2f} GiB  {first:6d}-{last:<6d} {name} {shape}")
 
 
 if __name__ == "__main__":

@@ -73,9 +73,12 @@ def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, b
     return layer.self_attn.keys(_prenorm(layer.input_layernorm, rows), positions)
 
   def all_keys(params, rest, x, positions):
-    split = lambda a: a.reshape(B, n, chunk, *a.shape[2:]).swapaxes(0, 1)
-    join = lambda a: None if a is None else a.swapaxes(0, 1).reshape(B, T, *a.shape[3:])
-    return jax.tree.map(join, jax.lax.map(lambda xs: keys_of(params, rest, *xs), (split(x), split(positions))))
+    """The keys of all T rows, a chunk at a time, read from x in place (no chunk-major copy of x)."""
+    chunk_keys = lambda i: keys_of(params, rest, take(x, i), take(positions, i))
+    shapes = jax.eval_shape(chunk_keys, 0)
+    keys = jax.tree.map(lambda s: fresh_zeros((B, T, *s.shape[2:]), s.dtype, x), shapes)
+    return jax.lax.fori_loop(0, n, lambda i, keys: jax.tree.map(lambda buf, rows: put(buf, rows, i), keys,
+                                                                  chunk_keys(i)), keys)
 
   def rows_of(params, rest, keys, dtypes, rows, i, positions, segment_ids, indices, token_ids, *, replay):
     """Chunk i of the layer: (output rows [B, c, D], indexer loss or None, (indices, rows counted, load,
@@ -141,7 +144,11 @@ def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, b
                                          token_ids, replay=True)[:2]
       (_, loss), pullback = jax.vjp(chunk_fn, params, wide, take(x, i))
       d_loss = None if loss is None else d_losses[i].astype(loss.dtype)
-      dp, dw, d_rows = pullback((take(d_x, i), d_loss))
+      # The chunk's rows of the output cotangent, read out whole before they are overwritten: left
+      # fused into their readers (some of which, the weights' gradients, the update does not wait
+      # for), they would make XLA copy all of d_x each step to update it safely.
+      d_rows_out = jax.lax.optimization_barrier(take(d_x, i))
+      dp, dw, d_rows = pullback((d_rows_out, d_loss))
       add = lambda a, b: jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, b)
       return put(d_x, d_rows, i), add(d_params, dp), add(d_wide, dw)
 

@@ -79,7 +79,7 @@ CHUNKED_LAYER_FULL_LENGTH_COPIES = 6.0
 # copies fitted) the H200 figures were 96.2 GiB peak at 512K with 32K chunks (estimate 94.3) and
 # 136.7 GiB asked of the allocator at 1M with 16K chunks (estimate 139.2). Two is the count of the
 # in-place design, a prior not yet measured on the H200: `bench/memory_proxy.py` on the CPU went
-# from 137.7 to 81.2 GiB of temporaries at 1M (16K chunks) with it.
+# from 137.7 to 79.5 GiB of temporaries at 1M (16K chunks) with it.
 WHOLE_LAYER_CHUNKS_FULL_LENGTH_COPIES = 2.0
 # What the device's peak holds beyond the compiled program: 70 MB on the tiny H200 run, 0.2 GiB at 16K.
 RUNTIME_RESERVE_BYTES = 64 * 2**20
