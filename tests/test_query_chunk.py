@@ -204,18 +204,25 @@ def test_the_whole_layer_over_chunks_saves_one_index_key_gradient(capsys):
   saved = _saved_residuals(cfg, capsys)
   key_grads = [s for s in saved if s.endswith(f"{T},{cfg.index_head_dim}")]
   assert len(key_grads) == 1 and key_grads[0].endswith(f"[1,{T},{cfg.index_head_dim}"), saved
-  assert any(s.startswith("i32") and s.endswith(f",{cfg.index_topk}") for s in saved), saved
+  assert [s for s in saved if s.startswith("i32") and s.endswith(f",{cfg.index_topk}")] == [
+      f"i32[1,{T},{cfg.index_topk}"], saved  # one selection, no per-chunk copy
   assert not [s for s in saved if s.endswith(f",{cfg.index_n_heads},{cfg.index_head_dim}")], saved
 
 
-@pytest.mark.parametrize("policy,selections", [("selection_replay", 1), ("full", 2), ("none", 1)])
-def test_the_whole_layer_over_chunks_selects_as_its_policy_says(policy, selections):
+@pytest.mark.parametrize("policy,selections,attentions", [("selection_replay", 1, 2), ("full", 2, 3), ("none", 1, 2)])
+def test_the_whole_layer_over_chunks_selects_as_its_policy_says(policy, selections, attentions):
   """The chunked layer's backward pass (`models/layer_chunks.py`) replays the forward pass's selection:
-  one top-k per indexer layer per step, two under "full" (its recomputed forward pass reselects)."""
+  one top-k per indexer layer per step, two under "full" (its recomputed forward pass reselects); and
+  one attention forward per chunk in each pass (the backward's recomputation), one more under "full"."""
   cfg = dataclasses.replace(_TINY, n_layers=2, attention_query_chunk=CHUNK, ffn_token_chunk=CHUNK,
                             remat_policy=policy)
   graphdef, params, rest = nnx.split(models.build(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
   tokens = jnp.zeros((1, T), jnp.int32)
-  loss = lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(tokens).logits ** 2)
+
+  def loss(p):  # the indexer loss too: its backward reads the layer's rows counted
+    out = nnx.merge(graphdef, p, rest)(tokens)
+    return jnp.mean(out.logits**2) + out.aux["indexer_loss"]
+
   jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
   assert remat.count_named_equations(jaxpr, "flash_topk") == selections * cfg.n_layers
+  assert remat.count_named_equations(jaxpr, remat.ATTENTION_OUT) == attentions * cfg.n_layers

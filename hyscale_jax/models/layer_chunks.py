@@ -17,9 +17,12 @@ Here the layer is one `jax.custom_vjp` that owns its buffers:
   in f32 over the chunks, then pulled back through the keys one chunk at a time into that buffer.
 
 Residuals: the layer's inputs (parameters, x, positions, segment ids, shared indices, token ids)
-and the selection, tagged `remat.SELECTION`, so an enclosing `jax.checkpoint` with the
-`"selection_replay"` policy keeps it and recomputes nothing else of the forward pass ("full"
-recomputes the forward pass, selection included, as its baseline asks).
+and the selection, tagged `remat.SELECTION` with the rows counted per chunk (the layer's indexer
+loss reads them in its backward pass), so an enclosing `jax.checkpoint` with the
+`"selection_replay"` policy keeps them and recomputes nothing else of the forward pass ("full"
+recomputes the forward pass, selection included, as its baseline asks). Every policy recomputes
+each chunk once in the backward pass, "none" too: keeping every chunk's intermediates is what
+running over chunks avoids.
 
 The per-chunk outputs that carry no gradient get none: the expert load (a fraction of routing
 slots), the rows counted, and the indexer loss's forward-pass gradient sums (used only in a
@@ -122,8 +125,12 @@ def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, b
     return forward(params, rest, x, positions, segment_ids, shared_indices, token_ids)
 
   def run_fwd(params, rest, x, positions, segment_ids, shared_indices, token_ids):
-    outs = forward(params, rest, x, positions, segment_ids, shared_indices, token_ids)
-    selection = remat.tag(outs[1], remat.SELECTION)
+    out, selection, losses, counts, *rest_of_outs = forward(params, rest, x, positions, segment_ids, shared_indices,
+                                                            token_ids)
+    # The rows counted weigh the chunks' losses in the layer's mean, so its backward pass reads them:
+    # untagged, an enclosing checkpoint would rerun this whole forward loop to get them back.
+    selection, counts = remat.tag((selection, counts), remat.SELECTION)
+    outs = (out, selection, losses, counts, *rest_of_outs)
     return outs, (params, rest, x, positions, segment_ids, shared_indices, token_ids, selection)
 
   def run_bwd(residuals, cotangents):
