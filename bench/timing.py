@@ -16,6 +16,9 @@ import time
 import jax
 import numpy as np
 
+# "device" (the default) or "wall": HYSCALE_BENCH_TIMING=wall times by the host's clock on a GPU too,
+# for sweeps of many short rows where a profiler session per row costs more than it tells.
+METHOD = os.environ.get("HYSCALE_BENCH_TIMING", "device")
 # Host pause between timed calls: the device idles this long, so the calls' kernels separate by gaps
 # above half of it, and no call's own kernels are that far apart (a while loop's host round trip
 # takes tens of microseconds).
@@ -60,12 +63,14 @@ def device_spans(run, reps: int) -> list[float] | None:
 
 def timed(fn, *args, reps=5, warmup=True):
   """Median seconds of `fn(*args)` after a warm-up call: the device's time on a GPU (`device_spans`),
-  else the wall clock to block_until_ready (also on a GPU if the trace gives no one span per call,
-  with a note)."""
+  else the wall clock to block_until_ready (also on a GPU with HYSCALE_BENCH_TIMING=wall, or if the
+  trace gives no one span per call, with a note)."""
   run = lambda: jax.block_until_ready(fn(*args))
   if warmup:
     run()
-  if jax.devices()[0].platform == "gpu":
+  if METHOD not in ("device", "wall"):
+    raise ValueError(f"HYSCALE_BENCH_TIMING={METHOD!r} must be 'device' or 'wall'.")
+  if METHOD == "device" and jax.devices()[0].platform == "gpu":
     spans = device_spans(run, reps)
     if spans is not None:
       return float(np.median(spans))
