@@ -18,7 +18,6 @@ from hyscale_jax.layers.moe import MoE
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.models import layer_chunks
 from hyscale_jax.models.mtp import MTPLayer, depth_targets, shift_left
-from hyscale_jax.ops import _streaming as st
 
 
 class ModelOutput(NamedTuple):
@@ -178,19 +177,18 @@ class DecoderLayer(nnx.Module):
     return _leave(self.mlp_hc, x, ffn, mix), load
 
   def _chunked_ffn(self, x, token_ids, backends):
-    """`_ffn` over `cfg.ffn_token_chunk` positions at a time, each chunk rematerialized.
+    """`_ffn` over `cfg.ffn_token_chunk` positions at a time, each chunk recomputed in the backward pass
+    (`layer_chunks.chunked_rows`: output and cotangent written in place).
 
     Every part of the sub-block is per position (routing included), so the chunks give the same
     rows; the expert load is the mean of the chunks' (equal chunks: the same fractions).
     """
-    T = x.shape[1]
-    chunk = self.cfg.ffn_chunk(T)
+    chunk = self.cfg.ffn_chunk(x.shape[1])
     if not chunk:
       return self._ffn(x, token_ids, backends)
-    split, join = st.row_chunks(chunk, T)
-    body = jax.checkpoint(lambda xs: self._ffn(*xs, backends), prevent_cse=False)
-    out, load = jax.lax.map(body, (split(x), split(token_ids)))
-    return join(out), None if load is None else load.mean(axis=0)
+    out, load = layer_chunks.chunked_rows(self, lambda layer, rows, ids: layer._ffn(rows, ids, backends), x,
+                                          token_ids, chunk)
+    return out, None if load is None else load.mean(axis=0)
 
 
 class Decoder(nnx.Module):

@@ -174,3 +174,66 @@ def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, b
 
   run.defvjp(run_fwd, run_bwd)
   return run(params, rest, x, positions, segment_ids, shared_indices, token_ids)
+
+
+def chunked_rows(module, fn, x, token_ids, chunk: int):
+  """`fn(module, rows, token_ids rows) -> (rows out, aux or None)` over `chunk`-row chunks of x, as
+  one custom_vjp that writes in place like `chunked_layer` (T a multiple of `chunk`).
+
+  For a per-position sub-block on the residual (the FFN: `DecoderLayer._chunked_ffn`): the output
+  is written into a copy of x and the backward pass recomputes each chunk and overwrites the
+  output cotangent's rows with the input's, so neither a stacked output nor a stacked cotangent is
+  zero-filled at the start of the step. `aux` (the expert load) gets no gradient.
+
+  Args:
+    module: the `nnx.Module` that `fn` runs (its `nnx.Param`s get gradients).
+    fn: (module, rows [B, c, ...], token_ids [B, c] or None) -> (rows out [B, c, ...] like rows, aux
+      f32 array or None), the same function of every chunk.
+    x: [B, T, ...] the rows (e.g. [B, T, D], or [B, T, N, D] residual streams).
+    token_ids: i32[B, T] or None.
+    chunk: rows per chunk.
+
+  Returns:
+    (out like x, aux stacked per chunk [n, ...] or None).
+  """
+  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+  n = x.shape[1] // chunk
+  take = lambda a, i: None if a is None else jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1)
+  put = lambda buf, rows, i: jax.lax.dynamic_update_slice_in_dim(buf, rows, i * chunk, axis=1)
+  apply = lambda params, rest, rows, i, token_ids: fn(nnx.merge(graphdef, params, rest), rows, take(token_ids, i))
+
+  def forward(params, rest, x, token_ids):
+    aux_shape = jax.eval_shape(lambda: apply(params, rest, take(x, 0), 0, token_ids))[1]
+    aux = None if aux_shape is None else jnp.zeros((n, *aux_shape.shape), aux_shape.dtype)
+
+    def body(i, carry):
+      out, aux = carry
+      rows, chunk_aux = apply(params, rest, take(out, i), i, token_ids)
+      return put(out, rows, i), None if aux is None else aux.at[i].set(chunk_aux)
+
+    return jax.lax.fori_loop(0, n, body, (x, aux))
+
+  @jax.custom_vjp
+  def run(params, rest, x, token_ids):
+    return forward(params, rest, x, token_ids)
+
+  def run_fwd(params, rest, x, token_ids):
+    return forward(params, rest, x, token_ids), (params, rest, x, token_ids)
+
+  def run_bwd(residuals, cotangents):
+    params, rest, x, token_ids = residuals
+    d_out = cotangents[0]
+
+    def chunk_back(j, carry):
+      d_x, d_params = carry
+      i = n - 1 - j
+      _, pullback = jax.vjp(lambda p, rows: apply(p, rest, rows, i, token_ids)[0], params, take(x, i))
+      dp, d_rows = pullback(jax.lax.optimization_barrier(take(d_x, i)))  # read whole first (chunked_layer)
+      return put(d_x, d_rows, i), jax.tree.map(lambda u, v: u + v.astype(u.dtype), d_params, dp)
+
+    d_params = jax.tree.map(lambda a: fresh_zeros(a.shape, a.dtype, d_out), params)
+    d_x, d_params = jax.lax.fori_loop(0, n, chunk_back, (d_out, d_params))
+    return d_params, None, d_x, None
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(params, rest, x, token_ids)
