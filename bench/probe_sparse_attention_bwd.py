@@ -152,7 +152,6 @@ def main():
   t0, rows = time.perf_counter(), []
   stamp(f"device {jax.devices()[0].device_kind}")
 
-
   if a.smoke:
     SHAPES["probe_smoke"] = Shape(16, 1, 48, 32, 24, value_is_key=True)
     smoke = {"today": Config(block_h=8, block_k=8), "slices": Config(block_h=16, block_k=8, slice_h=4)}

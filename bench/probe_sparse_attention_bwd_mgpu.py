@@ -64,7 +64,6 @@ def main():
   t0, rows = time.perf_counter(), []
   stamp(f"device {jax.devices()[0].device_kind}")
 
-
   rows += run_shape("mla64", a.seq, {k: VARIANTS[k] for k in (a.only or VARIANTS)}, a.reps, a.workers)
   write_rows(a.out, rows)
   ok = [r for r in rows if "ms" in r and not r["nan"] and max(r["dq_sampled_f32"], r["dk_sampled_f32"]) < 2e-2]

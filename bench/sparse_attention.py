@@ -407,7 +407,6 @@ def run_table(shapes, seqs, dense_seq, reps, skip_reference_above, workers, out_
   timed row by row; the JSON is rewritten after each row, so a cut-off run keeps what it measured."""
   rows = []
 
-
   keys = [(name, T) for name in shapes for T in seqs]
   programs = {key: row_programs(key[0], SHAPES[key[0]], key[1], key[1] > skip_reference_above,
                                 det_chunk_mib=det_chunk_mib) for key in keys}
