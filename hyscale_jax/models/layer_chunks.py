@@ -41,6 +41,32 @@ from hyscale_jax import remat
 from hyscale_jax.ops._streaming import fresh_zeros
 
 
+def _row_slicing(chunk: int):
+  """(take, put) of chunk i's rows along axis 1 of [B, T, ...]: a slice (None passes through), and
+  an update in place of those rows."""
+  take = lambda a, i: None if a is None else jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1)
+  put = lambda buf, rows, i: jax.lax.dynamic_update_slice_in_dim(buf, rows, i * chunk, axis=1)
+  return take, put
+
+
+def _cotangent_rows(take, d_x, i):
+  """Chunk i's rows of the cotangent buffer d_x, read out whole before the chunk overwrites them: left
+  fused into their readers (some of which, the weights' gradients, the update does not wait for),
+  they would make XLA copy all of d_x each step to update it safely."""
+  return jax.lax.optimization_barrier(take(d_x, i))
+
+
+def _accumulate(sums, parts):
+  """sums + parts leaf by leaf, in the sums' dtypes."""
+  return jax.tree.map(lambda u, v: u + v.astype(u.dtype), sums, parts)
+
+
+def _zeros_after(tree, after):
+  """`fresh_zeros` like each leaf of `tree`, made after `after`."""
+  return jax.tree.map(lambda a: fresh_zeros(a.shape, a.dtype, after), tree)
+
+
+
 def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, backends, chunk: int):
   """`DecoderLayer.__call__`'s sparse path over `chunk`-row sequence chunks (T a multiple of `chunk`).
 
@@ -67,8 +93,7 @@ def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, b
   B, T = x.shape[:2]
   n = T // chunk
   grads_out = cfg.indexer_loss_grad_in_forward and layer.self_attn.indexer is not None
-  take = lambda a, i: None if a is None else jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1)
-  put = lambda buf, rows, i: jax.lax.dynamic_update_slice_in_dim(buf, rows, i * chunk, axis=1)
+  take, put = _row_slicing(chunk)
 
   def keys_of(params, rest, rows, positions):
     """(k [B, c, 1, L+R], index_k [B, c, DI] or None) of input rows [B, c, D]."""
@@ -139,8 +164,7 @@ def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, b
     keys = all_keys(params, rest, x, positions)
     dtypes = jax.tree.map(lambda a: a.dtype, keys)
     wide = jax.tree.map(lambda a: a.astype(jnp.float32), keys)
-    zeros_like = lambda tree: jax.tree.map(lambda a: fresh_zeros(a.shape, a.dtype, d_out), tree)
-    d_params, d_wide = zeros_like(params), zeros_like(wide)
+    d_params, d_wide = _zeros_after(params, d_out), _zeros_after(wide, d_out)
     if d_index_k is not None:  # the index keys' own cotangent (the indexer loss's saved gradient)
       d_wide = (d_wide[0], d_index_k.astype(jnp.float32))
 
@@ -151,13 +175,8 @@ def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, b
                                          token_ids, replay=True)[:2]
       (_, loss), pullback = jax.vjp(chunk_fn, params, wide, take(x, i))
       d_loss = None if loss is None else d_losses[i].astype(loss.dtype)
-      # The chunk's rows of the output cotangent, read out whole before they are overwritten: left
-      # fused into their readers (some of which, the weights' gradients, the update does not wait
-      # for), they would make XLA copy all of d_x each step to update it safely.
-      d_rows_out = jax.lax.optimization_barrier(take(d_x, i))
-      dp, dw, d_rows = pullback((d_rows_out, d_loss))
-      add = lambda a, b: jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, b)
-      return put(d_x, d_rows, i), add(d_params, dp), add(d_wide, dw)
+      dp, dw, d_rows = pullback((_cotangent_rows(take, d_x, i), d_loss))
+      return put(d_x, d_rows, i), _accumulate(d_params, dp), _accumulate(d_wide, dw)
 
     d_x, d_params, d_wide = jax.lax.fori_loop(0, n, chunk_back, (d_out, d_params, d_wide))
 
@@ -166,8 +185,7 @@ def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, b
       _, pullback = jax.vjp(lambda p, r: keys_of(p, rest, r, take(positions, i)), params, take(x, i))
       d_keys = jax.tree.map(lambda a, dtype: take(a, i).astype(dtype), d_wide, dtypes)
       dp, d_rows = pullback(d_keys)
-      d_params = jax.tree.map(lambda u, v: u + v.astype(u.dtype), d_params, dp)
-      return put(d_x, take(d_x, i) + d_rows, i), d_params
+      return put(d_x, take(d_x, i) + d_rows, i), _accumulate(d_params, dp)
 
     d_x, d_params = jax.lax.fori_loop(0, n, keys_back, (d_x, d_params))
     return d_params, None, d_x, None, None, None, None
@@ -198,8 +216,7 @@ def chunked_rows(module, fn, x, token_ids, chunk: int):
   """
   graphdef, params, rest = nnx.split(module, nnx.Param, ...)
   n = x.shape[1] // chunk
-  take = lambda a, i: None if a is None else jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1)
-  put = lambda buf, rows, i: jax.lax.dynamic_update_slice_in_dim(buf, rows, i * chunk, axis=1)
+  take, put = _row_slicing(chunk)
   apply = lambda params, rest, rows, i, token_ids: fn(nnx.merge(graphdef, params, rest), rows, take(token_ids, i))
 
   def forward(params, rest, x, token_ids):
@@ -228,11 +245,10 @@ def chunked_rows(module, fn, x, token_ids, chunk: int):
       d_x, d_params = carry
       i = n - 1 - j
       _, pullback = jax.vjp(lambda p, rows: apply(p, rest, rows, i, token_ids)[0], params, take(x, i))
-      dp, d_rows = pullback(jax.lax.optimization_barrier(take(d_x, i)))  # read whole first (chunked_layer)
-      return put(d_x, d_rows, i), jax.tree.map(lambda u, v: u + v.astype(u.dtype), d_params, dp)
+      dp, d_rows = pullback(_cotangent_rows(take, d_x, i))
+      return put(d_x, d_rows, i), _accumulate(d_params, dp)
 
-    d_params = jax.tree.map(lambda a: fresh_zeros(a.shape, a.dtype, d_out), params)
-    d_x, d_params = jax.lax.fori_loop(0, n, chunk_back, (d_out, d_params))
+    d_x, d_params = jax.lax.fori_loop(0, n, chunk_back, (d_out, _zeros_after(params, d_out)))
     return d_params, None, d_x, None
 
   run.defvjp(run_fwd, run_bwd)
