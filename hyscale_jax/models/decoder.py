@@ -186,8 +186,10 @@ class DecoderLayer(nnx.Module):
     chunk = self.cfg.ffn_chunk(x.shape[1])
     if not chunk:
       return self._ffn(x, token_ids, backends)
+    # Only the sub-block's own parameters: the attention's would be summed as zeros every chunk.
+    ffn_params = nnx.All(nnx.Param, nnx.Any(*map(nnx.PathContains, ("mlp", "mlp_hc", "post_attention_layernorm"))))
     out, load = layer_chunks.chunked_rows(self, lambda layer, rows, ids: layer._ffn(rows, ids, backends), x,
-                                          token_ids, chunk)
+                                          token_ids, chunk, params=ffn_params)
     return out, None if load is None else load.mean(axis=0)
 
 

@@ -194,7 +194,7 @@ def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, b
   return run(params, rest, x, positions, segment_ids, shared_indices, token_ids)
 
 
-def chunked_rows(module, fn, x, token_ids, chunk: int):
+def chunked_rows(module, fn, x, token_ids, chunk: int, *, params=nnx.Param):
   """`fn(module, rows, token_ids rows) -> (rows out, aux or None)` over `chunk`-row chunks of x, as
   one custom_vjp that writes in place like `chunked_layer` (T a multiple of `chunk`).
 
@@ -210,11 +210,13 @@ def chunked_rows(module, fn, x, token_ids, chunk: int):
     x: [B, T, ...] the rows (e.g. [B, T, D], or [B, T, N, D] residual streams).
     token_ids: i32[B, T] or None.
     chunk: rows per chunk.
+    params: an `nnx` filter of the parameters `fn` reads (default all of the module's): only these
+      get gradients from it and are summed over the chunks in the backward pass.
 
   Returns:
     (out like x, aux stacked per chunk [n, ...] or None).
   """
-  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+  graphdef, params, rest = nnx.split(module, params, ...)
   n = x.shape[1] // chunk
   take, put = _row_slicing(chunk)
   apply = lambda params, rest, rows, i, token_ids: fn(nnx.merge(graphdef, params, rest), rows, take(token_ids, i))
