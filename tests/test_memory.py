@@ -181,12 +181,12 @@ def test_grouped_kernel_moe_term_is_one_token_chunk_without_the_expert_factor():
 _GLM2_H200_PEAKS_GB = {("megatron_style", 65536, ()): 75.5, ("megatron_style", 131072, ()): 123.2,
                        ("hyscale", 65536, ()): 58.7, ("hyscale", 131072, ()): 87.2,
                        ("hyscale", 262144, (("ffn_token_chunk", 0),)): 113.0,
-                       # The whole layer over sequence chunks (equal query and FFN chunks; 2026-12-04,
-                       # bench/memory_proxy.py --run): 512K's peak, and what 1M asked of the allocator when
-                       # it ran out (117.5 GiB of temporaries + 19.2 of arguments).
-                       ("hyscale", 524288, (("attention_query_chunk", 32768), ("ffn_token_chunk", 32768))): 103.3,
+                       # The whole layer over sequence chunks (equal query and FFN chunks; the in-place
+                       # layer_chunks loops, 2026-12-05, bench/memory_proxy.py --run): 512K and 1M.
+                       ("hyscale", 524288, (("attention_query_chunk", 32768), ("ffn_token_chunk", 32768))): 75.3,
+                       ("hyscale", 1048576, (("attention_query_chunk", 32768), ("ffn_token_chunk", 32768))): 100.3,
                        ("hyscale", 1048576, (("attention_query_chunk", 16384), ("ffn_token_chunk", 16384),
-                                             ("moe_token_chunk", 8192))): 136.7 * 2**30 / 1e9}
+                                             ("moe_token_chunk", 8192))): 93.3}
 
 
 @pytest.mark.parametrize("mode, seq_len, overrides", list(_GLM2_H200_PEAKS_GB))

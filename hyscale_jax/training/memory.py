@@ -73,14 +73,12 @@ MOE_GROUPED_COPIES = 1.0
 # measured (5.4), and 1M (32K chunks) 222.9 GiB asked of the allocator when it ran out (6.7).
 CHUNKED_LAYER_FULL_LENGTH_COPIES = 6.0
 # The same when the whole layer runs over sequence chunks (`ModelConfig.layer_chunk`: equal query
-# and FFN chunks; `models/layer_chunks.py`): the layer's output, written into a copy of its input,
-# and in the backward pass the output's cotangent, overwritten in place by the input's; and the LM
-# loss's input gradient, kept from its forward pass. With the loops' outputs left to autodiff (three
-# copies fitted) the H200 figures were 96.2 GiB peak at 512K with 32K chunks (estimate 94.3) and
-# 136.7 GiB asked of the allocator at 1M with 16K chunks (estimate 139.2). Two is the count of the
-# in-place design, a prior not yet measured on the H200: `bench/memory_proxy.py` on the CPU went
-# from 137.7 to 79.5 GiB of temporaries at 1M (16K chunks) with it.
-WHOLE_LAYER_CHUNKS_FULL_LENGTH_COPIES = 2.0
+# and FFN chunks; `models/layer_chunks.py`): one, the buffer that holds the layer's output (written
+# into a copy of its input) and, in the backward pass, its cotangent (overwritten in place by the
+# input's). The rest of such a layer holds one chunk of rows (`LayerBytes.rows_bytes`). Fitted to
+# the GLM-5.1 2-layer model on the H200 (`bench/memory_proxy.py --run`, 2026-12-05): peaks of 70.1 /
+# 86.9 / 93.4 GiB at 512K (32K chunks) / 1M (16K, MoE 8K) / 1M (32K), estimated 69.8 / 89.0 / 97.0.
+WHOLE_LAYER_CHUNKS_FULL_LENGTH_COPIES = 1.0
 # What the device's peak holds beyond the compiled program: 70 MB on the tiny H200 run, 0.2 GiB at 16K.
 RUNTIME_RESERVE_BYTES = 64 * 2**20
 
@@ -139,12 +137,15 @@ class LayerBytes(NamedTuple):
   `query`: the MLA query side (absorbed queries, attention output, selection, indexer queries),
   one `model.attention_query_chunk` of rows at a time when that chunking is on;
   `ffn`: the FFN sub-block's activations (dense MLP, shared experts, router), one
-  `model.ffn_token_chunk` of rows at a time when that chunking is on.
+  `model.ffn_token_chunk` of rows at a time when that chunking is on;
+  `keys`: the part of `whole` made for every position even when the whole layer runs over sequence
+  chunks (`ModelConfig.layer_chunk`: MLA's keys); the rest of the layer then holds one chunk of rows.
   """
 
   whole: float
   query: float
   ffn: float
+  keys: float
 
   @property
   def total(self) -> float:
@@ -155,6 +156,10 @@ class LayerBytes(NamedTuple):
 
     A length a chunk does not divide counts as unchunked here (the layer itself raises).
     """
+    layer_chunk = _chunk_at(cfg.layer_chunk, seq_len)
+    if layer_chunk:
+      return rows * self.keys + rows * layer_chunk / seq_len * (self.total - self.keys)
+
     def chunked(chunk_of):
       chunk = _chunk_at(chunk_of, seq_len)
       return rows * chunk / seq_len if chunk else rows
@@ -173,6 +178,7 @@ def _layer_bytes_per_token(cfg: ModelConfig, layer: int) -> LayerBytes:
   index = cfg.index_n_heads * cfg.index_head_dim + cfg.index_head_dim + cfg.index_n_heads
   lse_parts = 0  # f32 [H] per token beyond the one lse below
   query = 0.0
+  keys = None  # all of `whole` unless a family's layer chunks whole (MLA's, below)
   if cfg.architecture == "deepseek_v4":
     hd, kind = cfg.head_dim, cfg.layer_kind(layer)
     attn = 2 * cfg.q_lora_rank + 2 * H * hd + 2 * hd + 2 * H * hd + cfg.o_groups * cfg.o_lora_rank
@@ -203,12 +209,14 @@ def _layer_bytes_per_token(cfg: ModelConfig, layer: int) -> LayerBytes:
                   + (cfg.index_n_heads * (cfg.index_head_dim + 1) if cfg.has_indexer(layer) else 0))
     query = query_side * a + cfg.index_topk * 4  # and the selection
     attended = 0
+    keys = attn * a
   if cfg.is_moe(layer):  # the shared experts and the f32 combine (the routed rows: `moe_expert_bytes`)
     mlp = 3 * cfg.n_shared_experts * cfg.moe_inter + 2 * D
   else:
     mlp = 3 * cfg.dense_inter
-  return LayerBytes(whole=(attn + 4 * D) * a + (2 * H + lse_parts) * 4 + attended * 4, query=query,
-                    ffn=mlp * a + cfg.n_routed_experts * 4)
+  whole = (attn + 4 * D) * a + (2 * H + lse_parts) * 4 + attended * 4
+  return LayerBytes(whole=whole, query=query, ffn=mlp * a + cfg.n_routed_experts * 4,
+                    keys=whole if keys is None else keys)
 
 
 def _chunk_at(chunk_of, seq_len: int) -> int:
