@@ -198,12 +198,13 @@ def run_tune(T, configs, names=("ceiling", "pallas")):
 def threshold_and_main_pass(topk, slots, config):
   """The Pallas backend's first two stages at scale 1/sqrt(128), jitted: (q, k, w) -> t and (q, k, w, t) -> Candidates."""
   scale = 128**-0.5
+  interpret = jax.default_backend() != "gpu"
   threshold = jax.jit(lambda q, k, w: topk_pallas._threshold(
-      q, k, w, jnp.int32(0), None, None, topk=topk, compress_ratio=1, scale=scale, slots=slots, config=config,
-      interpret=False))
+      q, k, w, jnp.int32(0), None, None, None, topk=topk, compress_ratio=1, scale=scale, slots=slots, config=config,
+      interpret=interpret))
   main = jax.jit(lambda q, k, w, t: flash_topk_candidates(
       q, k, w, t, q_offset=0, segment_ids=None, topk=topk, compress_ratio=1, scale=scale, slots=slots,
-      config=config, interpret=False))
+      config=config, interpret=interpret))
   return threshold, main
 
 
@@ -222,12 +223,13 @@ def run_breakdown(T, config, topk=2048):
   t = threshold(q, k, w)
   full = jax.jit(pallas_fn(topk, 1, config))
   ceiling = jax.jit(ceiling_fn(topk, 1, config))
-  finish = jax.jit(lambda c, t: topk_pallas._finish(c, t, topk, method=config.finish))
-  finish_top_k = jax.jit(lambda c, t: topk_pallas._finish(c, t, topk, method="top_k"))
+  interpret = jax.default_backend() != "gpu"
+  finish = jax.jit(lambda c, t: topk_pallas._finish(c, t, topk, method=config.finish, interpret=interpret))
+  finish_top_k = jax.jit(lambda c, t: topk_pallas._finish(c, t, topk, method="top_k", interpret=interpret))
   top_k_only = jax.jit(lambda s: jax.lax.top_k(s, topk))
   cands = main(q, k, w, t)
   scores, indices, n_kept = flat_candidates(cands, slots)
-  select_alone = jax.jit(lambda s, i, n: select_candidates(s, i, n, topk))
+  select_alone = jax.jit(lambda s, i, n: select_candidates(s, i, n, topk, interpret=interpret))
   winners = select_alone(scores, indices, n_kept)
   sort_alone = jax.jit(topk_pallas.sort_winners)
   times = dict(select_alone=timed(select_alone, scores, indices, n_kept, reps=3),
