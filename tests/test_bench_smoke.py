@@ -60,7 +60,9 @@ def runs(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("bench_smoke")
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
              HYSCALE_DATA_DIR=os.environ.get("HYSCALE_DATA_DIR", str(ROOT / ".data")))
-  env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
+  # One CPU device, as a user's run; the suite's other XLA flags (conftest.py) stay.
+  env["XLA_FLAGS"] = " ".join(flag for flag in os.environ.get("XLA_FLAGS", "").split()
+                              if not flag.startswith("--xla_force_host_platform_device_count"))
   started = {}
   for name, (args, _) in _SCRIPTS.items():
     out = tmp / f"{name}.json"
