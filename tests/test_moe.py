@@ -262,8 +262,10 @@ def test_token_chunks_give_the_same_output_load_and_gradients():
     np.testing.assert_allclose(y_c, y, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(load_c, load)
     np.testing.assert_allclose(value_c, value, rtol=1e-5)
+    # Weight gradients are summed over the chunks in another order: an entry whose terms cancel is off
+    # by the rounding of its terms, so the absolute tolerance scales with the leaf's largest entry.
     for g_c, g in zip(jax.tree.leaves(grads_c), jax.tree.leaves(grads), strict=True):
-      np.testing.assert_allclose(g_c, g, rtol=1e-4, atol=1e-6)
+      np.testing.assert_allclose(g_c, g, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(g))))
   with pytest.raises(ValueError, match="moe_token_chunk=20"):
     MoE(16, 24, 6, 2, 1, token_chunk=20, rngs=nnx.Rngs(0))(x)
 
