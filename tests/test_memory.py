@@ -205,3 +205,26 @@ def test_estimate_is_within_25_percent_of_the_whole_model_h200_peak(mode, seq_le
   estimate = memory.estimate_training_memory(cfg, batch_size=1, seq_len=seq_len, grouped_kernel=True)
   measured = _GLM2_H200_PEAKS_GB[mode, seq_len, overrides] * 1e9
   assert abs(estimate.total / measured - 1) < 0.25, estimate.describe()
+
+
+def test_preflight_proposes_the_largest_sequence_chunk_that_fits(monkeypatch):
+  """GLM-5.1's 2-layer model at 1M on a device that `hyscale`'s 128K chunks overflow: the knob is the
+  whole layer over the largest power-of-two chunk whose estimate fits."""
+  from hyscale_jax.training import step_modes  # noqa: PLC0415
+
+  monkeypatch.setattr(memory, "grouped_matmul_kernel_applies", lambda cfg: True)  # the H200's MoE term
+  config = glm5_1.get_config("full")
+  config.model.update(n_layers=2, first_k_dense=1, vocab_size=32768, n_routed_experts=64, dtype="bfloat16",
+                      param_dtype="bfloat16")
+  config.data.update(vocab_size=32768, batch_size=1, seq_len=1 << 20)
+  config.step_mode = "hyscale"
+  cfg, _ = lm.setup(step_modes.apply(config))
+  at = lambda chunk: memory.estimate_training_memory(
+      dataclasses.replace(cfg, attention_query_chunk=chunk, ffn_token_chunk=chunk), batch_size=1, seq_len=1 << 20).total
+  assert cfg.layer_chunk(1 << 20) == 1 << 17 and at(1 << 17) > at(1 << 16) > at(1 << 15)
+  available = (at(1 << 16) + at(1 << 15)) // 2  # 32K chunks fit, 64K do not
+  with pytest.raises(MemoryError) as info:
+    memory.preflight(cfg, batch_size=1, seq_len=1 << 20, mesh_shape={}, available=available)
+  text = str(info.value)
+  assert "--config.model.attention_query_chunk=32768 --config.model.ffn_token_chunk=32768" in text, text
+  assert f"{at(1 << 15) / 2**30:.2f} GiB" in text, text

@@ -396,12 +396,39 @@ def device_peak_metrics(device: jax.Device | None = None) -> dict:
   return {"device_peak_gb": stats["peak_bytes_in_use"] / 1e9}
 
 
+# The smallest sequence chunk the preflight proposes: below it the per-chunk loops cost more than
+# they save (16K fits GLM-5.1's 2-layer model at 1M on one H200; bench/results/model_step_glm2_1m.json).
+MIN_SUGGESTED_SEQUENCE_CHUNK = 4096
+
+
+def _sequence_chunk_knob(cfg: ModelConfig, seq_len: int, fits, estimate) -> str | None:
+  """The largest power-of-two sequence chunk below the current one whose estimate fits, as a knob.
+
+  MLA layers (GLM-5.1 / DSA) take equal query and FFN chunks, which runs each layer whole over the
+  chunks (`ModelConfig.layer_chunk`); other families chunk their FFN sub-block (`ffn_token_chunk`).
+  """
+  mla = cfg.architecture == "glm_moe_dsa"
+  current = _chunk_at(cfg.layer_chunk if mla else cfg.ffn_chunk, seq_len) or seq_len
+  chunk = 1 << (current.bit_length() - 1)
+  chunk = chunk // 2 if chunk == current else chunk
+  while chunk >= MIN_SUGGESTED_SEQUENCE_CHUNK:
+    if seq_len % chunk == 0:
+      fields = dict(attention_query_chunk=chunk, ffn_token_chunk=chunk) if mla else dict(ffn_token_chunk=chunk)
+      e = estimate(dataclasses.replace(cfg, **fields))
+      if fits(e):
+        flags = " ".join(f"--config.model.{name}={value}" for name, value in fields.items())
+        return f"{flags} (the {'layers' if mla else 'FFN sub-blocks'} over {chunk}-token chunks): {e.total / 2**30:.2f} GiB"
+    chunk //= 2
+  return None
+
+
 def preflight(cfg: ModelConfig, *, batch_size: int, seq_len: int, mesh_shape: dict, available: int | None,
               headroom: float = 1.0) -> MemoryEstimate:
   """Raises MemoryError, before compiling, when the estimate clearly exceeds `available` bytes.
 
   The message gives the estimate by component and the knobs that would fit: `remat_policy=full`,
-  a larger `mesh.context` (for the devices it would take), or a shorter `data.seq_len`.
+  smaller sequence chunks (`_sequence_chunk_knob`), a larger `mesh.context` (for the devices it would
+  take), or a shorter `data.seq_len`.
   """
   from hyscale_jax import models  # noqa: PLC0415
 
@@ -420,6 +447,10 @@ def preflight(cfg: ModelConfig, *, batch_size: int, seq_len: int, mesh_shape: di
     full = estimate_training_memory(dataclasses.replace(cfg, remat_policy="full"), batch_size=batch_size,
                                     seq_len=seq_len, **split)
     knobs.append(f"--config.model.remat_policy=full: {full.total / 2**30:.2f} GiB" + ("" if fits(full) else " (still too much)"))
+  chunked = _sequence_chunk_knob(cfg, seq_len, fits, lambda c: estimate_training_memory(c, batch_size=batch_size,
+                                                                                         seq_len=seq_len, **split))
+  if chunked:
+    knobs.append(chunked)
   for context in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
     if context <= split["context_shards"] or seq_len % context:
       continue
@@ -445,4 +476,4 @@ def preflight(cfg: ModelConfig, *, batch_size: int, seq_len: int, mesh_shape: di
 
 
 __all__ = ["LAYER_TRANSIENT_COPIES", "WHOLE_LAYER_CHUNKS_FULL_LENGTH_COPIES", "LOGITS_COPIES", "MOE_EXPANSION_F32_COPIES", "MemoryEstimate",
-           "MOE_GROUPED_COPIES", "RUNTIME_RESERVE_BYTES", "grouped_matmul_kernel_applies", "moe_expert_bytes", "device_memory_bytes", "device_peak_metrics", "estimate_training_memory", "preflight"]
+           "MIN_SUGGESTED_SEQUENCE_CHUNK", "MOE_GROUPED_COPIES", "RUNTIME_RESERVE_BYTES", "grouped_matmul_kernel_applies", "moe_expert_bytes", "device_memory_bytes", "device_peak_metrics", "estimate_training_memory", "preflight"]
