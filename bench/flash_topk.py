@@ -157,12 +157,17 @@ def check_fp8():
   return rows
 
 
+def interpret() -> bool:
+  """The Pallas kernels run in interpret mode off the GPU (the CPU smoke)."""
+  return jax.default_backend() != "gpu"
+
+
 def ceiling_fn(topk, compress_ratio, config):
   def fn(q, k, w, k_scale=None):
     t = jnp.full(q.shape[:2], jnp.inf, jnp.float32)
     c = flash_topk_candidates(q, k, w, t, q_offset=0, segment_ids=None, topk=topk,
                               compress_ratio=compress_ratio, scale=128**-0.5, slots=1024, config=config,
-                              interpret=jax.default_backend() != "gpu",
+                              interpret=interpret(),
                               key_scale=None if k_scale is None else key_factor(k_scale, 128**-0.5))
     return c.n_above, c.n_visible
   return fn
@@ -198,13 +203,12 @@ def run_tune(T, configs, names=("ceiling", "pallas")):
 def threshold_and_main_pass(topk, slots, config):
   """The Pallas backend's first two stages at scale 1/sqrt(128), jitted: (q, k, w) -> t and (q, k, w, t) -> Candidates."""
   scale = 128**-0.5
-  interpret = jax.default_backend() != "gpu"
   threshold = jax.jit(lambda q, k, w: topk_pallas._threshold(
       q, k, w, jnp.int32(0), None, None, None, topk=topk, compress_ratio=1, scale=scale, slots=slots, config=config,
-      interpret=interpret))
+      interpret=interpret()))
   main = jax.jit(lambda q, k, w, t: flash_topk_candidates(
       q, k, w, t, q_offset=0, segment_ids=None, topk=topk, compress_ratio=1, scale=scale, slots=slots,
-      config=config, interpret=interpret))
+      config=config, interpret=interpret()))
   return threshold, main
 
 
@@ -223,13 +227,12 @@ def run_breakdown(T, config, topk=2048):
   t = threshold(q, k, w)
   full = jax.jit(pallas_fn(topk, 1, config))
   ceiling = jax.jit(ceiling_fn(topk, 1, config))
-  interpret = jax.default_backend() != "gpu"
-  finish = jax.jit(lambda c, t: topk_pallas._finish(c, t, topk, method=config.finish, interpret=interpret))
-  finish_top_k = jax.jit(lambda c, t: topk_pallas._finish(c, t, topk, method="top_k", interpret=interpret))
+  finish = jax.jit(lambda c, t: topk_pallas._finish(c, t, topk, method=config.finish, interpret=interpret()))
+  finish_top_k = jax.jit(lambda c, t: topk_pallas._finish(c, t, topk, method="top_k", interpret=interpret()))
   top_k_only = jax.jit(lambda s: jax.lax.top_k(s, topk))
   cands = main(q, k, w, t)
   scores, indices, n_kept = flat_candidates(cands, slots)
-  select_alone = jax.jit(lambda s, i, n: select_candidates(s, i, n, topk, interpret=interpret))
+  select_alone = jax.jit(lambda s, i, n: select_candidates(s, i, n, topk, interpret=interpret()))
   winners = select_alone(scores, indices, n_kept)
   sort_alone = jax.jit(topk_pallas.sort_winners)
   times = dict(select_alone=timed(select_alone, scores, indices, n_kept, reps=3),

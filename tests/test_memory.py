@@ -189,9 +189,9 @@ _GLM2_H200_PEAKS_GB = {("megatron_style", 65536, ()): 75.5, ("megatron_style", 1
                                              ("moe_token_chunk", 8192))): 93.3}
 
 
-@pytest.mark.parametrize("mode, seq_len, overrides", list(_GLM2_H200_PEAKS_GB))
-def test_estimate_is_within_25_percent_of_the_whole_model_h200_peak(mode, seq_len, overrides):
-  """The preflight on train.py's GLM-5.1 2-layer model, both remat policies, 64K-1M (query chunked past 128K)."""
+def _glm2(mode: str, seq_len: int, overrides=()) -> ModelConfig:
+  """train.py's GLM-5.1 2-layer model (bench/model_step.py's `glm2`) in step mode `mode`, with the
+  model `overrides` (name, value) set over the mode's own."""
   from hyscale_jax.training import step_modes  # noqa: PLC0415
 
   config = glm5_1.get_config("full")
@@ -201,7 +201,13 @@ def test_estimate_is_within_25_percent_of_the_whole_model_h200_peak(mode, seq_le
   config.step_mode = mode
   config = step_modes.apply(config)
   config.model.update(dict(overrides))  # the measured run's own chunks (0: off) over the mode's
-  cfg, mesh = lm.setup(config)
+  return lm.setup(config)[0]
+
+
+@pytest.mark.parametrize("mode, seq_len, overrides", list(_GLM2_H200_PEAKS_GB))
+def test_estimate_is_within_25_percent_of_the_whole_model_h200_peak(mode, seq_len, overrides):
+  """The preflight on train.py's GLM-5.1 2-layer model, both remat policies, 64K-1M (query chunked past 128K)."""
+  cfg = _glm2(mode, seq_len, overrides)
   estimate = memory.estimate_training_memory(cfg, batch_size=1, seq_len=seq_len, grouped_kernel=True)
   measured = _GLM2_H200_PEAKS_GB[mode, seq_len, overrides] * 1e9
   assert abs(estimate.total / measured - 1) < 0.25, estimate.describe()
@@ -210,15 +216,8 @@ def test_estimate_is_within_25_percent_of_the_whole_model_h200_peak(mode, seq_le
 def test_preflight_proposes_the_largest_sequence_chunk_that_fits(monkeypatch):
   """GLM-5.1's 2-layer model at 1M on a device that `hyscale`'s 128K chunks overflow: the knob is the
   whole layer over the largest power-of-two chunk whose estimate fits."""
-  from hyscale_jax.training import step_modes  # noqa: PLC0415
-
   monkeypatch.setattr(memory, "grouped_matmul_kernel_applies", lambda cfg: True)  # the H200's MoE term
-  config = glm5_1.get_config("full")
-  config.model.update(n_layers=2, first_k_dense=1, vocab_size=32768, n_routed_experts=64, dtype="bfloat16",
-                      param_dtype="bfloat16")
-  config.data.update(vocab_size=32768, batch_size=1, seq_len=1 << 20)
-  config.step_mode = "hyscale"
-  cfg, _ = lm.setup(step_modes.apply(config))
+  cfg = _glm2("hyscale", 1 << 20)
   at = lambda chunk: memory.estimate_training_memory(
       dataclasses.replace(cfg, attention_query_chunk=chunk, ffn_token_chunk=chunk), batch_size=1, seq_len=1 << 20).total
   assert cfg.layer_chunk(1 << 20) == 1 << 17 and at(1 << 17) > at(1 << 16) > at(1 << 15)

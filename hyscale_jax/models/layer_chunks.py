@@ -66,7 +66,6 @@ def _zeros_after(tree, after):
   return jax.tree.map(lambda a: fresh_zeros(a.shape, a.dtype, after), tree)
 
 
-
 def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, backends, chunk: int):
   """`DecoderLayer.__call__`'s sparse path over `chunk`-row sequence chunks (T a multiple of `chunk`).
 

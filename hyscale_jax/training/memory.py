@@ -409,8 +409,7 @@ def _sequence_chunk_knob(cfg: ModelConfig, seq_len: int, fits, estimate) -> str 
   """
   mla = cfg.architecture == "glm_moe_dsa"
   current = _chunk_at(cfg.layer_chunk if mla else cfg.ffn_chunk, seq_len) or seq_len
-  chunk = 1 << (current.bit_length() - 1)
-  chunk = chunk // 2 if chunk == current else chunk
+  chunk = 1 << ((current - 1).bit_length() - 1)  # the largest power of two below it
   while chunk >= MIN_SUGGESTED_SEQUENCE_CHUNK:
     if seq_len % chunk == 0:
       fields = dict(attention_query_chunk=chunk, ffn_token_chunk=chunk) if mla else dict(ffn_token_chunk=chunk)
@@ -438,29 +437,30 @@ def preflight(cfg: ModelConfig, *, batch_size: int, seq_len: int, mesh_shape: di
   split = dict(data_shards=math.prod(mesh_shape.get(axis, 1) for axis in BATCH_AXES),
                context_shards=mesh_shape.get("context", 1), param_count=count,
                param_shards=mesh_shape.get("fsdp", 1) * mesh_shape.get("tensor", 1))
-  estimate = estimate_training_memory(cfg, batch_size=batch_size, seq_len=seq_len, **split)
+  # The estimate of `cfg` (or a knob's variant of it) with some of this step's shapes replaced.
+  estimate_of = lambda c=cfg, **changes: estimate_training_memory(  # noqa: E731
+      c, **{"batch_size": batch_size, "seq_len": seq_len, **split, **changes})
+  estimate = estimate_of()
   if available is None or estimate.total <= headroom * available:
     return estimate
   fits = lambda e: e.total <= headroom * available
   knobs = []
   if cfg.remat_policy != "full":
-    full = estimate_training_memory(dataclasses.replace(cfg, remat_policy="full"), batch_size=batch_size,
-                                    seq_len=seq_len, **split)
+    full = estimate_of(dataclasses.replace(cfg, remat_policy="full"))
     knobs.append(f"--config.model.remat_policy=full: {full.total / 2**30:.2f} GiB" + ("" if fits(full) else " (still too much)"))
-  chunked = _sequence_chunk_knob(cfg, seq_len, fits, lambda c: estimate_training_memory(c, batch_size=batch_size,
-                                                                                         seq_len=seq_len, **split))
+  chunked = _sequence_chunk_knob(cfg, seq_len, fits, estimate_of)
   if chunked:
     knobs.append(chunked)
   for context in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
     if context <= split["context_shards"] or seq_len % context:
       continue
-    e = estimate_training_memory(cfg, batch_size=batch_size, seq_len=seq_len, **{**split, "context_shards": context})
+    e = estimate_of(context_shards=context)
     if fits(e):
       knobs.append(f"--config.mesh.context={context} ({context} devices per sequence): {e.total / 2**30:.2f} GiB")
       break
   shorter = seq_len // 2
   while shorter >= 1:
-    e = estimate_training_memory(cfg, batch_size=batch_size, seq_len=shorter, **split)
+    e = estimate_of(seq_len=shorter)
     if fits(e):
       knobs.append(f"--config.data.seq_len={shorter}: {e.total / 2**30:.2f} GiB")
       break
