@@ -79,14 +79,21 @@ SHAPES = {
 }
 
 
-def make_inputs(shape: Shape, T: int, seed=0, dtype=jnp.bfloat16):
+def make_inputs(shape: Shape, T: int, seed=0, dtype=jnp.bfloat16, key_window: int = 0):
+  """Random inputs of one row; `key_window` > 0 draws each token's selections from its last
+  `key_window` visible keys only (locality, as trained indexers select), else from all of them."""
   S = int(T * (1 + shape.extra_keys))
   ks = jax.random.split(jax.random.key(seed), 8)
   q = jax.random.normal(ks[0], (1, T, shape.H, shape.Dk), dtype)
   k = jax.random.normal(ks[1], (1, S, shape.G, shape.Dk), dtype)
   v = k[..., : shape.Dv] if shape.value_is_key else jax.random.normal(ks[2], (1, S, shape.G, shape.Dv), dtype)
   # Random causal selections over the T token keys; V4's window/compressed entries are mixed in.
-  idx = jax.random.randint(ks[3], (1, T, shape.K), 0, S) % (jnp.arange(T)[:, None] + 1 + (S - T))
+  visible = jnp.arange(T)[:, None] + 1 + (S - T)
+  if key_window:
+    span = jnp.minimum(visible, key_window)
+    idx = visible - 1 - jax.random.randint(ks[3], (1, T, shape.K), 0, S) % span
+  else:
+    idx = jax.random.randint(ks[3], (1, T, shape.K), 0, S) % visible
   dout = jax.random.normal(ks[4], (1, T, shape.H, shape.Dv), dtype)
   sinks = jax.random.normal(ks[5], (shape.H,), jnp.float32) if shape.sinks else None
   iq = jax.random.normal(ks[6], (1, T, shape.index_heads, shape.index_dim), dtype)
@@ -250,11 +257,11 @@ def compile_all(programs, workers):
   return done
 
 
-def run_row(row_key, shape: Shape, T, compiled, reps, skip_reference):
+def run_row(row_key, shape: Shape, T, compiled, reps, skip_reference, key_window=0):
   """Checks, then times, one (shape, T) row from its compiled programs."""
   name = row_key[0]
   get = lambda key: _unwrap(compiled[row_key, key])
-  x = make_inputs(shape, T)
+  x = make_inputs(shape, T, key_window=key_window)
   args = (x["q"], x["k"], x["v"], x["idx"], x["sinks"], x["dout"])
   fns = {key: get(key) for key in ("pallas_fwd", "pallas_bwd", "reference_fwd", "reference_bwd")
          if (row_key, key) in compiled}
@@ -264,6 +271,8 @@ def run_row(row_key, shape: Shape, T, compiled, reps, skip_reference):
   stamp(f"{name} T={T}: checked against the reference: {errors}")
   fwd_flops, bwd_flops = flops(shape, T)
   row = dict(shape=name, T=T, H=shape.H, G=shape.G, Dk=shape.Dk, Dv=shape.Dv, K=shape.K, errors=errors)
+  if key_window:
+    row["key_window"] = key_window
   for backend in ("pallas",) + (() if skip_reference else ("reference",)):
     r = 1 if backend == "reference" and T > 16384 else reps
     row[f"{backend}_fwd_ms"] = timed(get(f"{backend}_fwd"), *args, reps=r) * 1e3
@@ -402,7 +411,8 @@ def print_row(row):
           f" | vs atomic {json.dumps({k: float(f'{v:.2e}') for k, v in row['det_vs_atomic'].items()})}", flush=True)
 
 
-def run_table(shapes, seqs, dense_seq, reps, skip_reference_above, workers, out_path, det_chunk_mib=0):
+def run_table(shapes, seqs, dense_seq, reps, skip_reference_above, workers, out_path, det_chunk_mib=0,
+              key_window=0):
   """Every (shape, T) row: all programs compiled up front on `workers` threads, then checked and
   timed row by row; the JSON is rewritten after each row, so a cut-off run keeps what it measured."""
   rows = []
@@ -413,7 +423,7 @@ def run_table(shapes, seqs, dense_seq, reps, skip_reference_above, workers, out_
   compiled = compile_all(programs, workers)
   for name, T in keys:
     try:
-      row = run_row((name, T), SHAPES[name], T, compiled, reps, T > skip_reference_above)
+      row = run_row((name, T), SHAPES[name], T, compiled, reps, T > skip_reference_above, key_window)
     except Exception as e:  # noqa: BLE001 - one failing row (e.g. out of memory) does not end the table
       stamp(f"{name} T={T} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
       rows.append(dict(shape=name, T=T, error=f"{type(e).__name__}: {str(e)[:300]}"))
@@ -445,6 +455,8 @@ def main():
   parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device, in seconds")
   parser.add_argument("--deterministic", action="store_true", help="table: also the deterministic backward")
   parser.add_argument("--det-chunk-mib", type=int, default=1024, help="its f32 slab budget per query chunk")
+  parser.add_argument("--key-window", type=int, default=0,
+                      help="table: select from each token's last N visible keys (0: all of them)")
   parser.add_argument("--out", default="")
   args = parser.parse_args()
   faulthandler.dump_traceback_later(300, repeat=True)  # where a long run spends its time
@@ -459,7 +471,7 @@ def main():
   if args.smoke:
     shapes, seqs, dense_seq, deterministic = ["smoke"], [48], 48, True
   run_table(shapes, seqs, dense_seq, args.reps, args.skip_reference_above, args.workers, args.out,
-            det_chunk_mib=args.det_chunk_mib if deterministic else 0)
+            det_chunk_mib=args.det_chunk_mib if deterministic else 0, key_window=args.key_window)
 
 
 if __name__ == "__main__":
