@@ -1,6 +1,7 @@
 """MLA query chunking (`model.attention_query_chunk`): the same layer, one query chunk at a time."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ from flax import nnx
 
 from configs import glm5_1
 from hyscale_jax import models, remat
+from hyscale_jax.models import layer_chunks
 from hyscale_jax.layers.mla import MLASparseAttention
 from hyscale_jax.model_config import ModelConfig
 
@@ -148,6 +150,35 @@ def test_ffn_chunks_give_the_whole_block(family):
     # f32 arithmetic moves them by ~1e-4 of their scale (the MoE's own token chunks do the same).
     hyper_connection = "hc_head" in name or "_hc'" in name
     np.testing.assert_allclose(g / scale, w / scale, atol=5e-4 if hyper_connection else 2e-5, err_msg=name)
+
+
+class _TwoScales(nnx.Module):
+  """A sub-block of two parameters, `inner` and `outer`, for chunked_rows' parameter filter."""
+
+  def __init__(self):
+    self.inner = nnx.Param(jnp.full((4,), 2.0))
+    self.outer = nnx.Param(jnp.full((4,), 3.0))
+
+  def __call__(self, rows, use_outer):
+    return rows * self.inner + (rows * self.outer if use_outer else 0.0)
+
+
+@pytest.mark.parametrize("use_outer", [False, True])
+def test_chunked_rows_names_a_parameter_its_filter_leaves_out(use_outer):
+  """A sub-block that reads a parameter outside `params` would get no gradient for it through the
+  chunk loop: chunked_rows refuses it, naming the parameter; with the filter covering what it
+  reads, the gradient is the unchunked one."""
+  module, x = _TwoScales(), jax.random.normal(jax.random.key(0), (1, 8, 4))
+  fn = lambda m, rows, ids: (m(rows, use_outer), None)
+  run = lambda m, x: layer_chunks.chunked_rows(m, fn, x, None, 4, params=nnx.PathContains("inner"))[0]
+  if use_outer:
+    with pytest.raises(ValueError, match=r"outside its `params` filter.*outer"):
+      run(module, x)
+    return
+  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+  loss = lambda chunked, p: jnp.sum((run if chunked else (lambda m, x: fn(m, x, None)[0]))(nnx.merge(graphdef, p, rest), x) ** 2)
+  got, want = (jax.grad(functools.partial(loss, chunked))(params) for chunked in (True, False))
+  np.testing.assert_allclose(got["inner"][...], want["inner"][...], rtol=1e-6)
 
 
 def test_ffn_chunk_not_dividing_the_length_is_named():

@@ -187,6 +187,7 @@ class DecoderLayer(nnx.Module):
     if not chunk:
       return self._ffn(x, token_ids, backends)
     # Only the sub-block's own parameters: the attention's would be summed as zeros every chunk.
+    # chunked_rows refuses a sub-block that reads one outside this filter (it would get no gradient).
     ffn_params = nnx.All(nnx.Param, nnx.Any(*map(nnx.PathContains, ("mlp", "mlp_hc", "post_attention_layernorm"))))
     out, load = layer_chunks.chunked_rows(self, lambda layer, rows, ids: layer._ffn(rows, ids, backends), x,
                                           token_ids, chunk, params=ffn_params)

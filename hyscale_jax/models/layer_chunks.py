@@ -34,6 +34,7 @@ parameters' dtype, as the scan's transpose sums them.
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 from flax import nnx
 
@@ -214,14 +215,18 @@ def chunked_rows(module, fn, x, token_ids, chunk: int, *, params=nnx.Param):
 
   Returns:
     (out like x, aux stacked per chunk [n, ...] or None).
+
+  Raises:
+    ValueError: `fn` reads an `nnx.Param` outside `params`, which would get no gradient.
   """
-  graphdef, params, rest = nnx.split(module, params, ...)
+  graphdef, params, others, rest = nnx.split(module, params, nnx.Param, ...)
   n = x.shape[1] // chunk
   take, put = _row_slicing(chunk)
-  apply = lambda params, rest, rows, i, token_ids: fn(nnx.merge(graphdef, params, rest), rows, take(token_ids, i))
+  apply = lambda params, rest, rows, i, token_ids: fn(nnx.merge(graphdef, params, *rest), rows, take(token_ids, i))
+  rest = (others, rest)
+  aux_shape = _checked_trace(lambda others: apply(params, (others, rest[1]), take(x, 0), 0, token_ids), others)[1]
 
   def forward(params, rest, x, token_ids):
-    aux_shape = jax.eval_shape(lambda: apply(params, rest, take(x, 0), 0, token_ids))[1]
     aux = None if aux_shape is None else jnp.zeros((n, *aux_shape.shape), aux_shape.dtype)
 
     def body(i, carry):
@@ -254,3 +259,23 @@ def chunked_rows(module, fn, x, token_ids, chunk: int, *, params=nnx.Param):
 
   run.defvjp(run_fwd, run_bwd)
   return run(params, rest, x, token_ids)
+
+
+def _checked_trace(fn, others):
+  """fn(others)'s output shapes, after checking that its program reads no leaf of `others`.
+
+  `others` are the parameters outside `chunked_rows`' filter: the chunk loop passes them without a
+  gradient, so a sub-block that read one (a module added under a name the filter does not match)
+  would train silently without that parameter's gradient. A leaf counts as read when an equation
+  of fn's traced program takes it, or returns it.
+  """
+  closed, shapes = jax.make_jaxpr(fn, return_shape=True)(others)
+  program = closed.jaxpr
+  read = {v for eqn in program.eqns for v in eqn.invars if isinstance(v, jax.extend.core.Var)}
+  read |= {v for v in program.outvars if isinstance(v, jax.extend.core.Var)}
+  paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(others)[0]]
+  unfiltered = [path for path, var in zip(paths, program.invars, strict=True) if var in read]
+  if unfiltered:
+    raise ValueError(f"chunked_rows: fn reads parameters outside its `params` filter, which would get no "
+                     f"gradient through the chunk loop: {', '.join(unfiltered)}. Add them to the filter.")
+  return shapes
