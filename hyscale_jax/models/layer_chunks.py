@@ -219,12 +219,12 @@ def chunked_rows(module, fn, x, token_ids, chunk: int, *, params=nnx.Param):
   Raises:
     ValueError: `fn` reads an `nnx.Param` outside `params`, which would get no gradient.
   """
-  graphdef, params, others, rest = nnx.split(module, params, nnx.Param, ...)
+  graphdef, params, others, state = nnx.split(module, params, nnx.Param, ...)
   n = x.shape[1] // chunk
   take, put = _row_slicing(chunk)
   apply = lambda params, rest, rows, i, token_ids: fn(nnx.merge(graphdef, params, *rest), rows, take(token_ids, i))
-  rest = (others, rest)
-  aux_shape = _checked_trace(lambda others: apply(params, (others, rest[1]), take(x, 0), 0, token_ids), others)[1]
+  aux_shape = _checked_trace(lambda others: apply(params, (others, state), take(x, 0), 0, token_ids), others)[1]
+  rest = (others, state)  # no gradient: the parameters outside the filter (unread, checked) and the rest
 
   def forward(params, rest, x, token_ids):
     aux = None if aux_shape is None else jnp.zeros((n, *aux_shape.shape), aux_shape.dtype)
