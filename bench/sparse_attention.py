@@ -89,11 +89,8 @@ def make_inputs(shape: Shape, T: int, seed=0, dtype=jnp.bfloat16, key_window: in
   v = k[..., : shape.Dv] if shape.value_is_key else jax.random.normal(ks[2], (1, S, shape.G, shape.Dv), dtype)
   # Random causal selections over the T token keys; V4's window/compressed entries are mixed in.
   visible = jnp.arange(T)[:, None] + 1 + (S - T)
-  if key_window:
-    span = jnp.minimum(visible, key_window)
-    idx = visible - 1 - jax.random.randint(ks[3], (1, T, shape.K), 0, S) % span
-  else:
-    idx = jax.random.randint(ks[3], (1, T, shape.K), 0, S) % visible
+  draw = jax.random.randint(ks[3], (1, T, shape.K), 0, S)
+  idx = visible - 1 - draw % jnp.minimum(visible, key_window) if key_window else draw % visible
   dout = jax.random.normal(ks[4], (1, T, shape.H, shape.Dv), dtype)
   sinks = jax.random.normal(ks[5], (shape.H,), jnp.float32) if shape.sinks else None
   iq = jax.random.normal(ks[6], (1, T, shape.index_heads, shape.index_dim), dtype)
