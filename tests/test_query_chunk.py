@@ -175,9 +175,10 @@ def test_chunked_rows_names_a_parameter_its_filter_leaves_out(use_outer):
     with pytest.raises(ValueError, match=r"outside its `params` filter.*outer"):
       run(module, x)
     return
+  whole = lambda m, x: fn(m, x, None)[0]
   graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-  loss = lambda chunked, p: jnp.sum((run if chunked else (lambda m, x: fn(m, x, None)[0]))(nnx.merge(graphdef, p, rest), x) ** 2)
-  got, want = (jax.grad(functools.partial(loss, chunked))(params) for chunked in (True, False))
+  loss = lambda block, p: jnp.sum(block(nnx.merge(graphdef, p, rest), x) ** 2)
+  got, want = (jax.grad(functools.partial(loss, block))(params) for block in (run, whole))
   np.testing.assert_allclose(got["inner"][...], want["inner"][...], rtol=1e-6)
 
 
