@@ -10,10 +10,14 @@ What the wrappers add: K (and dW's P) zero-padded to the chosen tiles (exact: pa
 contribute 0 and are sliced off), N and Q only to Mosaic's 64-element swizzle tile (the kernels
 read past them as zeros and store nothing there), rows padded to TMA's 8-row tiling, and the block config from
 `autotune.choose`. Rows past `sum(group_sizes)` need no pass over the arrays: the forward kernel
-writes 0 there and the dW kernel selects 0 for them. Both kernels use wgmma (sm_90a) and bf16/f16 only: anything else raises NotImplementedError so `"auto"`
-falls back to the reference. Mosaic GPU has no interpret mode; CPU tests export the kernels for a
-CUDA target instead (tests/test_grouped_matmul.py), which runs Mosaic's lowering and its shared-memory
-check.
+writes 0 there and the dW kernel selects 0 for them. Both kernels use wgmma (sm_90a) and bf16/f16
+only: anything else raises NotImplementedError so `"auto"` falls back to the reference.
+
+Off the GPU (`backend="pallas"` asked for by name; "auto" picks the reference there) the same kernels
+run in Mosaic GPU's interpret mode on `INTERPRET_SMS` simulated SMs, with the heuristic block config
+(no tuning): slow, for tests. CI checks them that way against the float64 oracle
+(tests/test_grouped_matmul.py), and also exports them for a CUDA target, which runs Mosaic's lowering
+and its shared-memory check.
 """
 
 from __future__ import annotations
@@ -28,16 +32,32 @@ from pallas_kernels._hopper import require_hopper
 from pallas_kernels.grouped_matmul import autotune
 
 _DTYPES = (jnp.bfloat16, jnp.float16)
+INTERPRET_SMS = 2  # simulated SMs off the GPU: more than one, so CTAs split the persistent loop as on the device
 _SWIZZLE_TILE = 64  # elements of a 128-byte swizzled row (2-byte dtypes): Mosaic's minor-dim tiling of a TMA operand
 
 
 def check_supported(lhs, rhs, group_sizes, *, transpose_rhs=False) -> None:
-  """Raises NotImplementedError unless this is a Hopper GPU (sm_90) and the inputs are bf16 or f16."""
+  """Raises NotImplementedError unless the inputs are bf16 or f16 and the GPU, if any, is a Hopper (sm_90)."""
   del group_sizes, transpose_rhs
-  require_hopper("grouped_matmul pallas")
+  if not _interpreted():
+    require_hopper("grouped_matmul pallas")
   for name, x in (("lhs", lhs), ("rhs", rhs)):
     if x.dtype not in _DTYPES:
       raise NotImplementedError(f"grouped_matmul pallas: {name}.dtype={x.dtype} is not bf16/f16.")
+
+
+def _interpreted() -> bool:
+  """Whether the kernels run in Mosaic GPU's interpret mode: off the GPU."""
+  return jax.default_backend() != "gpu"
+
+
+def _launch() -> dict:
+  """How the kernels run here: compiled on every SM of the GPU, or interpreted on `INTERPRET_SMS`."""
+  if _interpreted():
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415 - as `tiled`, only when a kernel runs
+
+    return {"num_sms": INTERPRET_SMS, "interpret": plgpu.InterpretGPUParams()}
+  return {"num_sms": jax.devices()[0].core_count, "interpret": None}
 
 
 def _pad_axis(x, axis: int, multiple: int):
@@ -71,6 +91,8 @@ def _config(kind, m, k, n, g, dtype, run, shapes):
   Called while tracing the caller's jit: the measurement runs eagerly on concrete device arrays
   (`ensure_compile_time_eval`), made once per problem on the device (host RNG at 10^9 elements is slow).
   """
+  if _interpreted():  # the interpreter's timings say nothing about the GPU's
+    return autotune.Config.heuristics(kind, m, k, n, g)
   inputs = []
 
   def measure(config):
@@ -96,8 +118,7 @@ def _forward(lhs, rhs, group_sizes, config, transpose_rhs):
   # columns past N as zeros and stores none of them, so N need not fill the CTA's columns.
   lhs = _pad_axis(_pad_axis(lhs, 1, config.block_k), 0, 8)
   rhs = _pad_axis(_pad_axis(rhs, 2 if transpose_rhs else 1, config.block_k), 1 if transpose_rhs else 2, _SWIZZLE_TILE)
-  out = tiled.grouped_matmul_tiled(lhs, rhs, group_sizes, config=config, transpose_rhs=transpose_rhs,
-                                   num_sms=jax.devices()[0].core_count)
+  out = tiled.grouped_matmul_tiled(lhs, rhs, group_sizes, config=config, transpose_rhs=transpose_rhs, **_launch())
   return out[:m, :n]
 
 
@@ -123,7 +144,7 @@ def _transposed(a, b, group_sizes, config):
   p, q = a.shape[1], b.shape[1]
   a = _pad_axis(_pad_axis(a, 1, config.block_m * (2 if config.split_rows else 1)), 0, 8)
   b = _pad_axis(_pad_axis(b, 1, _SWIZZLE_TILE), 0, 8)  # Q as N in the forward
-  out = tiled.transposed_grouped_matmul_tiled(a, b, group_sizes, config=config, num_sms=jax.devices()[0].core_count)
+  out = tiled.transposed_grouped_matmul_tiled(a, b, group_sizes, config=config, **_launch())
   return out[:, :p, :q]
 
 

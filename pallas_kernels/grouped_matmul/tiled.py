@@ -15,7 +15,9 @@ warpgroup that both issues the loads and runs the MMAs. Here XLA lays out the wo
   static), which the tile table makes the rare case.
 
 `transpose_rhs` reads rhs as [G, N, K] (the dx of a forward) and hands the MMA its transpose.
-Nothing here runs on CPU: it needs sm_90a (wgmma, TMA). CPU tests lower it for a CUDA target.
+Compiled, it needs sm_90a (wgmma, TMA). Off the GPU, `interpret=plgpu.InterpretGPUParams()` runs the
+same kernels in Mosaic GPU's interpret mode (warpgroups as threads, barriers and TMA simulated), which
+is how CI checks them against the oracle on the CPU.
 """
 
 from __future__ import annotations
@@ -103,10 +105,12 @@ def _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, tile_m: in
       done = done + (count & size)
 
 
-def _persistent(kernel, out_shape, dtype, num_sms: int):
-  """One CTA per SM, three warpgroups ("wg": two MMA consumers and the TMA producer)."""
+def _persistent(kernel, out_shape, dtype, num_sms: int, interpret):
+  """One CTA per SM, three warpgroups ("wg": two MMA consumers and the TMA producer); `interpret`:
+  None to compile, or Mosaic GPU's `InterpretGPUParams` to simulate it (off the GPU)."""
   return plgpu.kernel(
       kernel,
+      interpret=interpret,
       out_type=jax.ShapeDtypeStruct(out_shape, dtype),
       grid=(num_sms,),
       grid_names=("sm",),
@@ -117,7 +121,7 @@ def _persistent(kernel, out_shape, dtype, num_sms: int):
 
 
 def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs: bool = False,
-                         num_sms: int | None = None):
+                         num_sms: int | None = None, interpret=None):
   """lhs bf16|f16[M, K] x rhs [G, K, N] ([G, N, K] with transpose_rhs) -> [M, N] in lhs.dtype.
 
   `config`: block_m rows x 2 * block_n columns per CTA, block_k the K step, max_concurrent_steps
@@ -146,7 +150,7 @@ def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs
     num_sms = jax.devices()[0].core_count
   if config.continuous:
     kernel = _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config, transpose_rhs)
-    return _persistent(kernel, (m, n), dtype, num_sms)(table, lhs, rhs)
+    return _persistent(kernel, (m, n), dtype, num_sms, interpret)(table, lhs, rhs)
 
   def pipeline(body, compute_context):
     rhs_block = (block_n, tile_k) if transpose_rhs else (tile_k, block_n)
@@ -230,7 +234,7 @@ def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  return _persistent(kernel, (m, n), dtype, num_sms)(table, lhs, rhs)
+  return _persistent(kernel, (m, n), dtype, num_sms, interpret)(table, lhs, rhs)
 
 
 def _mma_steps(acc_ref, steps, step0, stages, produced, consumed, delay_release, mma):
@@ -274,6 +278,23 @@ def _load_steps(steps, step0, stages, produced, consumed, copies):
       plgpu.barrier_wait(consumed.at[slot])
 
     copies(ki, slot, produced.at[slot])
+
+
+def _await_last_releases(steps_done, stages, consumed):
+  """The producer's last act: wait for the consumers to hand back the CTA's last `stages` steps.
+
+  `_load_steps` waits for a slot's release only before reusing it, so without this the final
+  releases complete barrier phases the producer never observes. The hardware does not mind (the
+  CTA ends once the consumers do anyway), but Mosaic GPU's interpret mode refuses to free a barrier
+  with a phase some warpgroup that waits on it has not seen, and that mode is how CI runs these
+  kernels on the CPU.
+  """
+  for back in range(stages, 0, -1):
+    step = steps_done - back
+
+    @pl.when(step >= 0)
+    def _():
+      plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
 
 
 def _row_variants(tile_m: int, short_m: int | None, hi):
@@ -346,6 +367,8 @@ def _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config: Config, tra
 
           return carry + jnp.where(runs, k_steps, 0)
 
+        _await_last_releases(work, stages, consumed)
+
       @pl.when(wg < 2)
       def _consumers():
         plgpu.set_max_registers(232, action="increase")
@@ -411,6 +434,21 @@ def group_table(group_sizes: jax.Array) -> jax.Array:
   return jnp.stack([first_row, starts - first_row, ends - first_row, ends[-1] - first_row]).astype(jnp.int32)
 
 
+def _mask_rows(ref, keep):
+  """ref[r, :] = 0 where not keep(r), r the row within the step's block, in shared memory, fenced for
+  the wgmma that reads it next.
+
+  A block both consumer warpgroups read (a, or b with `split_rows`) is masked by both, unordered:
+  each writes back the values it read or zero, and the result is the same in any interleaving, so no
+  barrier between the two is needed. Mosaic GPU's race detector reports these writes (and only
+  these: tests/test_grouped_matmul.py).
+  """
+  row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
+  values = ref[...]
+  ref[...] = jnp.where(keep(row), values, jnp.zeros_like(values))
+  plgpu.commit_smem()
+
+
 def _store_dw_tile(out_smem, smem_row, tile_p: int, out_tile, inside_q, acc):
   """One consumer's [tile_p, tile_q] f32 dW block to `out_tile` through its rows of `out_smem`
   (nothing where the block lies wholly past Q: `inside_q` false)."""
@@ -422,7 +460,8 @@ def _store_dw_tile(out_smem, smem_row, tile_p: int, out_tile, inside_q, acc):
     plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(smem_row, tile_p)], out_tile)
 
 
-def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sms: int | None = None):
+def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sms: int | None = None,
+                                    interpret=None):
   """a bf16|f16[M, P], b [M, Q] -> [G, P, Q] in a.dtype: `a_g^T @ b_g` over each group's rows (dW).
 
   Persistent over (group, P block, Q block) work items, group-major so a group's rows stay in L2
@@ -451,7 +490,7 @@ def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sm
     num_sms = jax.devices()[0].core_count
   if config.continuous:
     kernel = _continuous_dw_kernel(m, p, q, g, dtype, config)
-    return _persistent(kernel, (g, p, q), dtype, num_sms)(table, a, b)
+    return _persistent(kernel, (g, p, q), dtype, num_sms, interpret)(table, a, b)
 
   def pipeline(body, compute_context, steps):
     return plgpu.emit_pipeline_warp_specialized(
@@ -511,21 +550,15 @@ def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sm
             b_half = b_smem.at[:, pl.ds(wg * tile_q, tile_q)]
             step = idx[0]
 
+            base = step * tile_k
+
             @pl.when((step == 0) | (step == steps - 1))
             def _():
-              row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (tile_k, tile_q), 0), plgpu.Layout.WGMMA)
-              row = row + step * tile_k
-              values = b_half[...]
-              b_half[...] = jnp.where((row >= lo) & (row < hi), values, jnp.zeros_like(values))
-              plgpu.commit_smem()
+              _mask_rows(b_half, lambda r: (r + base >= lo) & (r + base < hi))
 
-            @pl.when((step + 1) * tile_k > past_groups)  # 0 * NaN is NaN: a's rows past the groups too
+            @pl.when(base + tile_k > past_groups)  # 0 * NaN is NaN: a's rows past the groups too
             def _():
-              row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (tile_k, tile_p), 0), plgpu.Layout.WGMMA)
-              row = row + step * tile_k
-              values = a_smem[...]
-              a_smem[...] = jnp.where(row < past_groups, values, jnp.zeros_like(values))
-              plgpu.commit_smem()
+              _mask_rows(a_smem, lambda r: r + base < past_groups)
 
             plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)), b_half)
             plgpu.wgmma_wait(0)
@@ -538,7 +571,7 @@ def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sm
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  return _persistent(kernel, (g, p, q), dtype, num_sms)(table, a, b)
+  return _persistent(kernel, (g, p, q), dtype, num_sms, interpret)(table, a, b)
 
 
 def _continuous_dw_kernel(m, p, q, g, dtype, config: Config):
@@ -598,6 +631,8 @@ def _continuous_dw_kernel(m, p, q, g, dtype, config: Config):
           _load_steps(steps, carry, stages, produced, consumed, copies)
           return carry + steps
 
+        _await_last_releases(work, stages, consumed)
+
       @pl.when(wg < 2)
       def _consumers():
         plgpu.set_max_registers(232, action="increase")
@@ -618,13 +653,6 @@ def _continuous_dw_kernel(m, p, q, g, dtype, config: Config):
           def _():
             store(jnp.zeros((tile_p, tile_q), jnp.float32))
 
-          def mask(ref, keep):
-            """ref[r, :] = 0 where not keep(step row r), in shared memory, fenced for the wgmma."""
-            row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
-            values = ref[...]
-            ref[...] = jnp.where(keep(row), values, jnp.zeros_like(values))
-            plgpu.commit_smem()
-
           def mma(ki, slot, acc_ref):
             if split:
               a_wg, b_wg = a_smem.at[slot, :, pl.ds(wg * tile_p, tile_p)], b_smem.at[slot]
@@ -634,11 +662,11 @@ def _continuous_dw_kernel(m, p, q, g, dtype, config: Config):
 
             @pl.when((ki == 0) | (ki == steps - 1))
             def _():
-              mask(b_wg, lambda r: (r + base >= lo) & (r + base < hi))
+              _mask_rows(b_wg, lambda r: (r + base >= lo) & (r + base < hi))
 
             @pl.when(base + tile_k > past_groups)  # 0 * NaN is NaN: a's rows past the groups too
             def _():
-              mask(a_wg, lambda r: r + base < past_groups)
+              _mask_rows(a_wg, lambda r: r + base < past_groups)
 
             plgpu.wgmma(acc_ref, a_wg.transpose((1, 0)), b_wg)
 

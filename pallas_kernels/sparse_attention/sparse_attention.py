@@ -372,7 +372,8 @@ def sparse_attention_forward_pallas(q, k, v, indices, *, scale, sinks=None, valu
   config, interpret = _resolve(config, None, interpret)
   forward = "auto" if config is None else config.forward
   if forward == "mosaic" and interpret:
-    raise NotImplementedError("Config.forward='mosaic': the Mosaic GPU forward has no interpret mode")
+    raise NotImplementedError("Config.forward='mosaic': the Mosaic GPU forward needs a GPU (its cp.async gathers "
+                              "are inline Mosaic GPU code, which Mosaic GPU's interpret mode cannot run)")
   if not interpret and forward != "triton":
     try:
       _check_mosaic_forward(k, v, value_dim)
@@ -599,7 +600,8 @@ def _mosaic_backward(residuals, cotangents, *, scale, deterministic, config, int
     return None
   if interpret:
     if backward == "mosaic":
-      raise NotImplementedError("Config.backward='mosaic': the Mosaic GPU backward has no interpret mode")
+      raise NotImplementedError("Config.backward='mosaic': the Mosaic GPU backward needs a GPU (its f32 atomic "
+                                "adds are inline Mosaic GPU code, which Mosaic GPU's interpret mode cannot run)")
     return None
   q, k, v, indices, sinks, out, lse = residuals
   dout, dlse = cotangents
