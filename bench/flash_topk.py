@@ -5,6 +5,7 @@ Run on the H200 (one call per mode; every figure in a table comes from the same 
   python bench/flash_topk.py check                 # GPU correctness: bit-exact on integer inputs
   python bench/flash_topk.py tune --seq 16384      # main-pass configs at one shape
   python bench/flash_topk.py tune --only ceiling ceiling_fp8   # the main pass alone, bf16 against fp8
+  python bench/flash_topk.py tune --config '{"block_k": 128}'   # the listed configs with these fields
   python bench/flash_topk.py select --seq 16384    # the finish's selection kernel: rows per program x warps
   python bench/flash_topk.py table --shapes dsa16k dsa64k glm64k --out flash_topk.json
   python bench/flash_topk.py table --shapes dsa16k --only pallas pallas_fp8 xla_baseline   # bf16 vs fp8
@@ -382,6 +383,11 @@ def main():
                for r, bk, nw, ns in [(64, 64, 4, 2), (64, 128, 4, 2), (64, 64, 2, 2), (64, 64, 8, 2),
                                      (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 4, 2),
                                      (64, 256, 4, 2), (64, 128, 8, 3), (128, 128, 8, 2)]]
+    # keys as the matmul's rows (the head sum inside thread quads), at the key blocks that fill M
+    configs += [Config(block_rows=64, block_k=bk, num_warps=nw, num_stages=ns, keys_as_rows=True)
+                for bk, nw, ns in [(64, 4, 2), (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 2)]]
+    if args.config:  # a subset: the listed configs that agree with --config's fields
+      configs = [c for c in configs if all(getattr(c, f) == v for f, v in args.config.items())]
     rows = run_tune(args.seq, configs, tuple(args.only or ("ceiling", "pallas")))
   else:
     every = {"pallas", "pallas_fp8", "pallas_top_k_finish", "ceiling", "ceiling_fp8", "xla_baseline",

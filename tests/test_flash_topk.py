@@ -46,12 +46,13 @@ def _reference_jit(q, k, w, q_offset, segment_ids, *, topk, compress_ratio, scal
 
 
 # Pallas configs for tiny shapes: the default (every key fits the buffer), a sampled threshold with
-# recursion, and buffers so small that rows overflow and the exact rescue runs.
+# recursion, and buffers so small that rows overflow and the exact rescue runs; that one also scores
+# with keys as the matmul's rows (several queries per program, so the head sum's transpose runs).
 _PALLAS_CONFIGS = {
     "pallas[threshold]": PallasConfig(block_rows=16, block_k=8, candidates=8, min_candidates=8,
                                       sample_rank=2, chunk_bytes=2048),
-    "pallas[overflow]": PallasConfig(block_rows=32, block_k=16, candidates=2, min_candidates=2,
-                                     sample_rank=1, oversample=1.0),
+    "pallas[overflow,keys_as_rows]": PallasConfig(block_rows=32, block_k=16, candidates=2, min_candidates=2,
+                                                  sample_rank=1, oversample=1.0, keys_as_rows=True),
 }
 
 

@@ -156,6 +156,27 @@ def test_zero_plateau_without_rescue():
   assert stats["rescued"] == 0, stats
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+def test_keys_as_rows_matches_the_oracle_with_one_query_per_program(weighted):
+  """`Config.keys_as_rows` at the GPU's default program shape (16+ heads: one query per program, the
+  head sum along the accumulator's columns) on integer inputs with ties, the ReLU plateau and
+  negative weights: the same bits as the float64 oracle, and the same stats as the heads-as-rows pass."""
+  rng = np.random.default_rng(7)
+  B, T, H, D, topk = 1, 72, 16, 16, 6
+  q, k = _ints(rng, (B, T, H, D), -1, 1, jnp.bfloat16), _ints(rng, (B, T, D), -1, 1, jnp.bfloat16)
+  w = _ints(rng, (B, T, H), -2, 2, jnp.bfloat16) if weighted else None
+  assert Config().block_q(H) == 1
+  layouts = {}
+  for keys_as_rows in (False, True):
+    config = Config(block_k=16, candidates=16, min_candidates=16, sample_rank=2, keys_as_rows=keys_as_rows)
+    o_idx, o_sc, layouts[keys_as_rows] = _check(q, k, w, config=config, topk=topk)
+  assert layouts[True] == layouts[False]
+  winners = [row_sc[row_idx >= 0] for row_sc, row_idx in zip(o_sc[0], o_idx[0])]
+  assert any(len(np.unique(row)) < len(row) for row in winners)  # ties among the winners
+  if weighted:
+    assert ((o_sc == 0) & (o_idx >= 0)).any()  # and on the ReLU plateau
+
+
 # --------------------------------------------------------------------------------------------
 # 3. Monotone scores: the worst case for a running threshold, and its mirror.
 # --------------------------------------------------------------------------------------------

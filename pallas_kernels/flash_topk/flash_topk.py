@@ -63,6 +63,10 @@ class Config:
     finish: how the exact finish ranks a row's strict candidates: "select" (the k-th score by a
       bitwise search, then a sort of the `topk` winners: `pallas_kernels.flash_topk.select`) or
       "top_k" (`lax.top_k` over the whole buffer). Same result.
+    keys_as_rows: the main pass's matmul as keys x heads (`k_tile @ q^T`, [block_k, block_q*H])
+      instead of heads x keys. The head sum then runs along the accumulator's columns, inside each
+      thread's registers and its quad, instead of across rows (warps, through shared memory). Same
+      products, summed in another order: on integer-valued inputs the same bits.
   """
 
   block_rows: int | None = None
@@ -76,6 +80,7 @@ class Config:
   chunk_bytes: int = 256 << 20
   rescue_rows: int = 16
   finish: str = "select"
+  keys_as_rows: bool = False
 
   def __post_init__(self):
     if self.finish not in ("select", "top_k"):
@@ -108,8 +113,9 @@ class Config:
 
 def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads, block_k, num_keys,
                        compress_ratio, scale, slots, tie_slots, has_weights, has_key_scale, has_segments,
-                       precise):
-  # Inputs: q_offset [1], q [block_q*H, D], k [Tk_pad, D], t [block_q], then weights [block_q*H, 1],
+                       precise, keys_as_rows):
+  # Inputs: q_offset [1], q [block_q*H, D], k [Tk_pad, D], t [block_q], then weights [block_q*H, 1]
+  # ([1, block_q*H] with keys_as_rows),
   # key_scale [Tk_pad] and (q_seg [block_q], kv_seg [Tk_pad]) when present. Outputs: candidate
   # indices and scores [block_q*slots], tie indices [block_q*tie_slots], and n_gt, n_eq, n_visible [block_q].
   refs = list(refs)
@@ -145,13 +151,24 @@ def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads,
     n_gt, n_eq, n_vis = counts
     k_pos = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     k_tile = k_ref[pl.ds(j * block_k, block_k), :]
-    dots = jax.lax.dot_general(q, k_tile, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32,
-                               precision=_HIGHEST if precise else None)  # [block_q*H, block_k]
-    relu = jnp.maximum(dots, 0.0)
-    if has_weights:
-      relu = relu * w
-    score = relu.reshape(block_q, heads, block_k).sum(axis=1)
+    precision = _HIGHEST if precise else None
+    if keys_as_rows:
+      dots = jax.lax.dot_general(k_tile, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                 precision=precision)  # [block_k, block_q*H]
+      relu = jnp.maximum(dots, 0.0)
+      if has_weights:
+        relu = relu * w
+      if block_q == 1:  # the GPU's default program: no 3-D reshape, no transpose
+        score = relu.sum(axis=1)[None, :]
+      else:
+        score = relu.reshape(block_k, block_q, heads).sum(axis=2).T
+    else:
+      dots = jax.lax.dot_general(q, k_tile, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                 precision=precision)  # [block_q*H, block_k]
+      relu = jnp.maximum(dots, 0.0)
+      if has_weights:
+        relu = relu * w
+      score = relu.reshape(block_q, heads, block_k).sum(axis=1)
     if has_key_scale:
       score = score * key_scale_ref[pl.ds(j * block_k, block_k)][None, :]
     else:
@@ -255,8 +272,12 @@ def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, to
   ]
   if weights is not None:
     weights = jnp.pad(weights, ((0, 0), (0, Tq_pad - Tq), (0, heads - H)))
-    operands.append(weights.reshape(B, Tq_pad * heads, 1))
-    in_specs.append(pl.BlockSpec((None, block_q * heads, 1), lambda b, i: (b, i, 0)))
+    if config.keys_as_rows:  # a row of weights, one per accumulator column
+      operands.append(weights.reshape(B, 1, Tq_pad * heads))
+      in_specs.append(pl.BlockSpec((None, 1, block_q * heads), lambda b, i: (b, 0, i)))
+    else:
+      operands.append(weights.reshape(B, Tq_pad * heads, 1))
+      in_specs.append(pl.BlockSpec((None, block_q * heads, 1), lambda b, i: (b, i, 0)))
   if key_scale is not None:
     operands.append(jnp.pad(key_scale.astype(jnp.float32), ((0, 0), (0, Tk_pad - Tk))))
     in_specs.append(pl.BlockSpec((None, Tk_pad), lambda b, i: (b, 0)))
@@ -271,7 +292,7 @@ def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, to
       compress_ratio=compress_ratio, scale=float(scale), slots=slots, tie_slots=tie_slots,
       has_weights=weights is not None, has_key_scale=key_scale is not None,
       has_segments=segment_ids is not None,
-      precise=q.dtype == jnp.float32)
+      precise=q.dtype == jnp.float32, keys_as_rows=config.keys_as_rows)
   outs = pl.pallas_call(
       kernel,
       out_shape=(
