@@ -35,7 +35,8 @@ DEFAULT_CONFIGS = ("128x128x64/3/4", "128x128x64/3/8", "128x128x64/3/16", "128x1
 def parse(spec: str, problem=None) -> Config:
   """"block_m x block_n x block_k / stages / snake band[/c<delay_release>]" (block_n per warpgroup: the
   CTA has 2x; a `/c0` or `/c1` suffix runs the continuous pipeline with that delay_release, and
-  letters after it: `s` 64-row tail tiles (forward), `p` warpgroups splitting dW's P), or
+  letters after it: `s` 64-row tail tiles (forward), `p` warpgroups splitting the CTA's rows (a CTA
+  of 2 * block_m x block_n: forward/dx 64-row halves at block_m 64, dW's P)), or
   "heur[/c<delay_release>]": `Config.heuristics` at `problem` = (kind, m, k, n, g)."""
   tiles, *rest = spec.split("/")
   if tiles == "heur":

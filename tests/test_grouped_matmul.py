@@ -398,9 +398,10 @@ def test_pallas_dw_kernel_with_many_groups(sizes):
 _CONTINUOUS = {name: autotune.Config(block_n=128, max_concurrent_steps=3, grid_block_n=2, continuous=True,
                                      delay_release=d, short_tiles=short, split_rows=split)
                for name, d, short, split in (("c0", 0, False, False), ("c1", 1, False, False),
-                                             ("c0p", 0, False, True), ("c0s", 0, True, True))}
-# c0p: dW split over P; c0s: short tiles too, whose predicated TMA copies Mosaic GPU's interpreter
-# does not take (it miscounts a predicate operand), so their oracle test needs the GPU.
+                                             ("c0p", 0, False, True), ("c0s", 0, True, False))}
+# c0p: the warpgroups split the CTA's rows (forward: 64-row halves, one skipped past the group; dW:
+# P); c0s: 64-row tail tiles, whose predicated TMA copies Mosaic GPU's interpreter does not take (it
+# miscounts a predicate operand), so their oracle test needs the GPU.
 _ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU")
 
 
@@ -431,6 +432,8 @@ def test_continuous_config_validation():
     autotune.Config(continuous=True, delay_release=2)
   with pytest.raises(ValueError, match="short_tiles"):
     autotune.Config(short_tiles=True)
+  with pytest.raises(ValueError, match="do not combine"):
+    autotune.Config(continuous=True, short_tiles=True, split_rows=True)
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=[pytest.mark.gpu_only, _ON_GPU]) if _CONTINUOUS[v].short_tiles
@@ -445,11 +448,8 @@ def test_pallas_continuous_kernels_against_the_oracle(variant):
 
   config = _CONTINUOUS[variant]
   rng = np.random.default_rng(5)
-  forward_cases = (([300, 0, 517, 207, 0], 1100), ([0, 1024, 0], 1024),
-                   (list(rng.multinomial(_MANY * 96 - 50, np.ones(_MANY) / _MANY)), _MANY * 96))
-  if config.split_rows and not config.short_tiles:
-    forward_cases = ()  # split_rows changes only dW: the forward is c0's
-  for sizes, m in forward_cases:
+  for sizes, m in (([300, 0, 517, 207, 0], 1100), ([0, 1024, 0], 1024),
+                   (list(rng.multinomial(_MANY * 96 - 50, np.ones(_MANY) / _MANY)), _MANY * 96)):
     for transpose_rhs in (False, True):
       lhs, rhs, gs, _ = _inputs(m, sizes, k=320, n=320, dtype=jnp.bfloat16, transpose_rhs=transpose_rhs)
       out = jax.jit(lambda a, b, s: grouped_matmul_pallas(a, b, s, transpose_rhs=transpose_rhs, config=config))(
@@ -499,15 +499,14 @@ def test_kernels_race_free_under_the_race_detector(variant, capfd):
   config = _RACE_CONFIGS[variant]
   detect = plgpu.InterpretGPUParams(detect_races=True)
   sizes = [60, 0, 100, 40, 40]  # 240 of 256 rows: a zero tile past the groups
-  if not config.split_rows:  # split_rows only changes dW
-    for transpose_rhs in (False, True):
-      lhs, rhs, gs, _ = _inputs(256, sizes, k=192, n=320, dtype=jnp.bfloat16, transpose_rhs=transpose_rhs)
-      out = tiled.grouped_matmul_tiled(lhs, rhs, gs, config=config, transpose_rhs=transpose_rhs, num_sms=2,
-                                       interpret=detect)
-      want = grouped_matmul_oracle(lhs, rhs, sizes, transpose_rhs=transpose_rhs)
-      np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=0.4, rtol=2e-2)
-      assert not np.asarray(out[240:]).any()
-    assert _races(capfd.readouterr().out) == []
+  for transpose_rhs in (False, True):
+    lhs, rhs, gs, _ = _inputs(256, sizes, k=192, n=320, dtype=jnp.bfloat16, transpose_rhs=transpose_rhs)
+    out = tiled.grouped_matmul_tiled(lhs, rhs, gs, config=config, transpose_rhs=transpose_rhs, num_sms=2,
+                                     interpret=detect)
+    want = grouped_matmul_oracle(lhs, rhs, sizes, transpose_rhs=transpose_rhs)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=0.4, rtol=2e-2)
+    assert not np.asarray(out[240:]).any()
+  assert _races(capfd.readouterr().out) == []
   a, _, gs, b = _inputs(256, sizes, k=128, n=320, dtype=jnp.bfloat16)
   a, b = a.at[240:].set(jnp.nan), b.at[240:].set(jnp.inf)
   out = tiled.transposed_grouped_matmul_tiled(a, b, gs, config=config, num_sms=2, interpret=detect)

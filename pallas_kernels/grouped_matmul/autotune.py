@@ -45,9 +45,12 @@ class Config:
   drains and refills the stages at every item. `delay_release` (continuous only): wgmma groups left
   in flight when a step's operands arrive, 0 or 1; with 1 a stage is released one step later.
   `short_tiles` (continuous forward/dx only; dW ignores it): a row tile whose group ends within its
-  first 64 rows runs as a 64-row tile (half the MMAs and lhs loads). `split_rows` (continuous dW
-  only): the warpgroups split 2 * block_m of P instead of 2 * block_n of Q (a CTA of 2 * block_m x
-  block_n), for a Q that 2 * block_n does not divide; the forward ignores it.
+  first 64 rows runs as a 64-row tile (half the MMAs and lhs loads). `split_rows` (continuous
+  only): the warpgroups split the CTA's rows instead of its columns, a CTA of 2 * block_m x block_n.
+  For dW those are P's, for a Q that 2 * block_n does not divide. For forward/dx each warpgroup
+  takes block_m rows and all block_n columns (CUTLASS's cooperative split: at block_m 64 one
+  m64nN wgmma per K slice), and one whose half holds none of the group's rows runs no MMAs, which
+  covers what `short_tiles` does (the two do not combine).
   """
 
   block_m: int = 128
@@ -73,6 +76,9 @@ class Config:
       raise ValueError(f"Config.delay_release={self.delay_release!r} must be 0, or 1 with continuous=True.")
     if (self.short_tiles or self.split_rows) and not self.continuous:
       raise ValueError("Config.short_tiles and Config.split_rows need continuous=True.")
+    if self.short_tiles and self.split_rows:
+      raise ValueError("Config.short_tiles and Config.split_rows do not combine: split_rows already skips a "
+                       "warpgroup's rows past the group.")
     if self.delay_release >= self.max_concurrent_steps:
       raise ValueError("Config.delay_release must be below max_concurrent_steps.")
 
@@ -129,8 +135,9 @@ class Config:
 
   @classmethod
   def search_space(cls, kind: str, m: int, k: int, n: int, g: int, itemsize: int = 2) -> tuple["Config", ...]:
-    """At most 8 configs, the heuristic first, then its other pipeline (and for forward/dx 64-row tail
-    tiles; for dW the other way of splitting the tile), then snake bands of 1-16 N blocks (how long a row tile stays
+    """At most 8 configs, the heuristic first, then its other pipeline (and for forward/dx the
+    warpgroups splitting the CTA's rows and 64-row tail tiles; for dW the other way of splitting the
+    tile), then snake bands of 1-16 N blocks (how long a row tile stays
     hot in L2) and tiles of 64 or 128 rows x 128 or 256 columns. Kept only if the CTA's columns pad N
     by at most 20% (and, for dW, block_m divides its K) and the kernel fits the H100/H200's 227 KiB
     of shared memory.
@@ -142,8 +149,14 @@ class Config:
       alternative = dataclasses.replace(heuristic, split_rows=not heuristic.split_rows)
       if k % alternative.rows == 0:
         found.append(alternative)
-    else:  # the other pipeline, and 64-row tail tiles (which won at Qwen's forward, lost at its dx)
+    else:  # the other pipeline, the warpgroups splitting rows, and 64-row tail tiles
       found.append(dataclasses.replace(heuristic, continuous=not heuristic.continuous))
+      # CUTLASS's cooperative split: 64-row halves, each over all of the CTA's columns (and 128
+      # columns where those tile N and the heuristic's pad it: Qwen's 640)
+      for columns in dict.fromkeys((heuristic.columns, 128)):
+        if columns == heuristic.columns or (n % columns == 0 and n % heuristic.columns):
+          found.append(dataclasses.replace(heuristic, block_m=64, block_n=columns, continuous=True,
+                                           split_rows=True, max_concurrent_steps=3 if columns == 256 else 4))
       found.append(dataclasses.replace(heuristic, continuous=True, short_tiles=True))
     for block_m, block_n, steps, grid_block_n in (
         (128, 128, 3, 4), (128, 128, 3, 16), (128, 128, 3, 2), (128, 128, 3, 1), (64, 128, 4, 8), (128, 64, 4, 8),

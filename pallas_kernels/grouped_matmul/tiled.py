@@ -124,8 +124,8 @@ def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs
                          num_sms: int | None = None, interpret=None):
   """lhs bf16|f16[M, K] x rhs [G, K, N] ([G, N, K] with transpose_rhs) -> [M, N] in lhs.dtype.
 
-  `config`: block_m rows x 2 * block_n columns per CTA, block_k the K step, max_concurrent_steps
-  pipeline stages, grid_block_n the snake band in N blocks. K must be a multiple of block_k (the
+  `config`: block_m rows x 2 * block_n columns per CTA (2 * block_m x block_n with `split_rows`),
+  block_k the K step, max_concurrent_steps pipeline stages, grid_block_n the snake band in N blocks. K must be a multiple of block_k (the
   caller pads). N need not be a multiple of 2 * block_n: TMA reads the columns past N as zeros and
   drops their stores, and a warpgroup whose half lies wholly past N stores nothing, so narrow
   experts (Qwen's 640) run on the wide tiles without a padded copy of the weights. Rows past
@@ -140,8 +140,8 @@ def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs
     raise ValueError(f"K={k} must be a multiple of block_k={tile_k}.")
   if tile_m & (tile_m - 1):
     raise ValueError(f"block_m={tile_m} must be a power of two (partial tiles store power-of-two row runs).")
-  num_tiles = max_tiles(m, g, tile_m)
-  table = tile_table(group_sizes, tile_m, num_tiles, m)
+  num_tiles = max_tiles(m, g, config.rows)
+  table = tile_table(group_sizes, config.rows, num_tiles, m)
   n_blocks = pl.cdiv(n, block_n)
   k_steps = k // tile_k
   dtype = lhs.dtype
@@ -314,19 +314,28 @@ def _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config: Config, tra
   next item while the consumers finish this one and store it: no drain and refill per item (the
   per-item pipeline's cost at short K: Qwen's dx has 10 steps per item). Both sides walk the same
   items and skip the same ones (zero tiles and unused ones), so their step counts agree.
+
+  The CTA's tile is `config.rows` x `config.columns`. By default the consumers split its columns
+  (each block_m x block_n, sharing the lhs block). With `config.split_rows` they split its rows, as
+  CUTLASS's cooperative Hopper kernels do: each takes block_m of the 2 * block_m rows and all
+  block_n columns (one m64nN wgmma per K slice at block_m 64, sharing the weight block), and a
+  consumer whose half holds none of the group's rows (a group's last tile, under skew) runs no MMAs,
+  only the barriers: the 64-row tail of `short_tiles` without a second accumulator or a predicated
+  copy.
   """
   del m
   tile_m, tile_n, tile_k = config.block_m, config.block_n, config.block_k
-  block_n, stages, k_steps = 2 * tile_n, config.max_concurrent_steps, k // tile_k
-  n_blocks = pl.cdiv(n, block_n)
+  rows, columns = config.rows, config.columns
+  split, stages, k_steps = config.split_rows, config.max_concurrent_steps, k // tile_k
+  n_blocks = pl.cdiv(n, columns)
   transforms = _input_transforms(tile_k, dtype)
-  rhs_block = (block_n, tile_k) if transpose_rhs else (tile_k, block_n)
+  rhs_block = (columns, tile_k) if transpose_rhs else (tile_k, columns)
   short_m = 64 if config.short_tiles and tile_m > 64 else None
 
   def kernel(table_gmem, lhs_gmem, rhs_gmem, out_gmem):
     @functools.partial(
         pl.run_scoped,
-        lhs_smem=plgpu.SMEM((stages, tile_m, tile_k), dtype, transforms=transforms),
+        lhs_smem=plgpu.SMEM((stages, rows, tile_k), dtype, transforms=transforms),
         rhs_smem=plgpu.SMEM((stages, *rhs_block), dtype, transforms=transforms),
         out_smem=plgpu.SMEM((2 * tile_m, tile_n), dtype),
         # One arrival per TMA copy issued: rhs and lhs, or rhs and both lhs variants with short
@@ -354,10 +363,10 @@ def _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config: Config, tra
 
           def copies(ki, slot, barrier):
             ks = pl.ds(ki * tile_k, tile_k)
-            ns = pl.ds(n_block * block_n, block_n)
-            for rows, pred in _row_variants(tile_m, short_m, hi):
-              plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(first_row, rows), ks], lhs_smem.at[slot, pl.ds(0, rows)],
-                                      barrier, predicate=pred)
+            ns = pl.ds(n_block * columns, columns)
+            for lhs_rows, pred in _row_variants(rows, short_m, hi):
+              plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(first_row, lhs_rows), ks],
+                                      lhs_smem.at[slot, pl.ds(0, lhs_rows)], barrier, predicate=pred)
             rhs_src = rhs_gmem.at[group, ns, ks] if transpose_rhs else rhs_gmem.at[group, ks, ns]
             plgpu.copy_gmem_to_smem(rhs_src, rhs_smem.at[slot], barrier)
 
@@ -377,40 +386,54 @@ def _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config: Config, tra
         @plgpu.nd_loop((num_tiles * n_blocks,), collective_axes="sm", init_carry=jnp.int32(0))
         def work(info, carry):
           n_block, group, first_row, lo, hi, runs = item(info)
-          col = n_block * block_n + wg * tile_n
+          if split:  # this warpgroup's rows of the tile, counted from its own first row
+            row0 = first_row + wg * tile_m
+            lo, hi = (jnp.clip(x - wg * tile_m, 0, tile_m) for x in (lo, hi))
+            col = n_block * columns
+          else:
+            row0, col = first_row, n_block * columns + wg * tile_n
 
-          def store(values):
+          def rhs_view(slot):
+            if split:
+              return rhs_smem.at[slot].transpose((1, 0)) if transpose_rhs else rhs_smem.at[slot]
+            if transpose_rhs:
+              return rhs_smem.at[slot, pl.ds(wg * tile_n, tile_n), :].transpose((1, 0))
+            return rhs_smem.at[slot, :, pl.ds(wg * tile_n, tile_n)]
+
+          def store(values, tile_rows):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read it
-            out_smem[pl.ds(smem_row, tile_m), :] = values
+            out_smem[pl.ds(smem_row, tile_rows), :] = values
             plgpu.commit_smem()
-            _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, tile_m, tile_n)
+            _store_rows(out_smem, smem_row, out_gmem, row0, col, lo, hi, tile_rows, tile_n)
 
           @pl.when((hi > lo) & (group == g) & (col < n))  # rows past the groups: zeros
           def _():
-            store(jnp.zeros((tile_m, tile_n), dtype))
+            store(jnp.zeros((tile_m, tile_n), dtype), tile_m)
 
-          for rows, pred in _row_variants(tile_m, short_m, hi):
-            def mma(ki, slot, acc_ref, rows=rows):
+          if split:
+            # A half with none of the group's rows hands the slots back without an MMA.
+            @pl.when(runs & (hi <= lo))
+            def _():
+              _mma_steps(None, k_steps, carry, stages, produced, consumed, config.delay_release,
+                         lambda ki, slot, acc_ref: None)
+
+          consumer_runs = runs & (hi > lo) if split else runs
+          for tile_rows, pred in _row_variants(tile_m, short_m, hi):
+            def mma(ki, slot, acc_ref, tile_rows=tile_rows):
               del ki
-              if transpose_rhs:
-                rhs_wg = rhs_smem.at[slot, pl.ds(wg * tile_n, tile_n), :].transpose((1, 0))
-              else:
-                rhs_wg = rhs_smem.at[slot, :, pl.ds(wg * tile_n, tile_n)]
-              plgpu.wgmma(acc_ref, lhs_smem.at[slot, pl.ds(0, rows)], rhs_wg)
+              lhs_view = lhs_smem.at[slot, pl.ds(wg * tile_m, tile_m)] if split else lhs_smem.at[slot, pl.ds(0, tile_rows)]
+              plgpu.wgmma(acc_ref, lhs_view, rhs_view(slot))
 
-            @pl.when(runs if pred is None else runs & pred)
-            def _(rows=rows, mma=mma):
-              @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows, tile_n), jnp.float32))
+            @pl.when(consumer_runs if pred is None else consumer_runs & pred)
+            def _(tile_rows=tile_rows, mma=mma):
+              @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_rows, tile_n), jnp.float32))
               def _(acc_ref):
                 _mma_steps(acc_ref, k_steps, carry, stages, produced, consumed, config.delay_release, mma)
                 acc = acc_ref[...].astype(dtype)
 
                 @pl.when(col < n)  # a half wholly past N stores nothing
                 def _():
-                  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read it
-                  out_smem[pl.ds(smem_row, rows), :] = acc
-                  plgpu.commit_smem()
-                  _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, rows, tile_n)
+                  store(acc, tile_rows)
 
           return carry + jnp.where(runs, k_steps, 0)
 
