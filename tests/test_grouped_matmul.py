@@ -398,10 +398,13 @@ def test_pallas_dw_kernel_with_many_groups(sizes):
 _CONTINUOUS = {name: autotune.Config(block_n=128, max_concurrent_steps=3, grid_block_n=2, continuous=True,
                                      delay_release=d, short_tiles=short, split_rows=split)
                for name, d, short, split in (("c0", 0, False, False), ("c1", 1, False, False),
-                                             ("c0p", 0, False, True), ("c0s", 0, True, False))}
-# c0p: the warpgroups split the CTA's rows (forward: 64-row halves, one skipped past the group; dW:
-# P); c0s: 64-row tail tiles, whose predicated TMA copies Mosaic GPU's interpreter does not take (it
-# miscounts a predicate operand), so their oracle test needs the GPU.
+                                             ("c0s", 0, True, False))}
+# c0p: the warpgroups split the CTA's rows as the tuner offers it (forward: 64-row halves over 256
+# columns, one skipped past the group; dW: P); c0s: 64-row tail tiles, whose predicated TMA copies
+# Mosaic GPU's interpreter does not take (it miscounts a predicate operand), so their oracle test
+# needs the GPU.
+_CONTINUOUS["c0p"] = autotune.Config(block_m=64, block_n=256, max_concurrent_steps=3, grid_block_n=2, continuous=True,
+                                     split_rows=True)
 _ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU")
 
 
@@ -475,8 +478,10 @@ _RACE_CONFIGS = {"per_item": autotune.Config(block_n=64, max_concurrent_steps=2,
                  "c0": autotune.Config(block_n=64, max_concurrent_steps=2, grid_block_n=2, continuous=True),
                  "c1": autotune.Config(block_n=64, max_concurrent_steps=2, grid_block_n=2, continuous=True,
                                        delay_release=1),
-                 "c0p": autotune.Config(block_m=64, block_n=64, max_concurrent_steps=2, grid_block_n=2,
-                                        continuous=True, split_rows=True)}
+                 "c0p": autotune.Config(block_m=64, block_n=128, max_concurrent_steps=4, grid_block_n=2,
+                                        continuous=True, split_rows=True),
+                 "c1p": autotune.Config(block_m=64, block_n=64, max_concurrent_steps=2, grid_block_n=2,
+                                        continuous=True, split_rows=True, delay_release=1)}
 
 
 def _races(output: str) -> list[str]:
@@ -487,8 +492,9 @@ def _races(output: str) -> list[str]:
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="interpret mode runs off the GPU")
 @pytest.mark.parametrize("variant", list(_RACE_CONFIGS))
 def test_kernels_race_free_under_the_race_detector(variant, capfd):
-  """Every kernel variant under the happens-before race detector, with more items per CTA than
-  stages (slots reused across items), a zero tile and an empty group. The forward and dx kernels
+  """The kernel variants (all but short tiles, which the interpreter cannot take) under the
+  happens-before race detector, with more items per CTA than stages (slots reused across items), a
+  zero tile and an empty group. The forward and dx kernels
   race nowhere: the producer's slot reuse is ordered by the consumers' releases, stores by the TMA
   waits. dW's only reports are the two consumers' unordered, value-identical masking of a block
   they share (`tiled._mask_rows`), never the producer or TMA against a consumer. Values against the

@@ -1,8 +1,8 @@
 """The FlashTopK main pass in Pallas (Triton style): score key tiles, keep what beats a threshold.
 
-Each program scores `block_q` queries (x H heads as matmul rows, so one key tile feeds every head)
-against `block_k` keys per step on the tensor cores, applies ReLU and the head weights, and sums
-over heads in f32. Against a per-row threshold `t` it appends, in key order,
+Each program scores `block_q` queries (x H heads as matmul rows, so one key tile feeds every head;
+with `Config.keys_as_rows` the keys are the rows and the heads the columns) against `block_k` keys
+per step on the tensor cores, applies ReLU and the head weights, and sums over heads in f32. Against a per-row threshold `t` it appends, in key order,
 
 * every visible key with `score > t` into a buffer of `slots` (index, score) pairs per row, and
 * the first `tie_slots` visible keys with `score == t` (indices only) into a tie buffer,

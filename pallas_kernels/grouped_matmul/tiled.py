@@ -10,7 +10,8 @@ warpgroup that both issues the loads and runs the MMAs. Here XLA lays out the wo
   straddles two groups: its rows past the group are computed and not stored.
 - The kernel is persistent (one CTA per SM) over (tile, N block) work items. A producer warpgroup
   streams the lhs rows and the group's weight block through a TMA pipeline; two consumer warpgroups
-  each own half of the N block's columns (warpgroup MMA, f32 accumulators), and store their tile.
+  each own half of the N block's columns, or with `Config.split_rows` half of the tile's rows
+  (warpgroup MMA, f32 accumulators), and store their part.
 - A partial tile stores its first `rows` rows as a sum of power-of-two TMA copies (TMA boxes are
   static), which the tile table makes the rare case.
 
@@ -125,9 +126,10 @@ def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs
   """lhs bf16|f16[M, K] x rhs [G, K, N] ([G, N, K] with transpose_rhs) -> [M, N] in lhs.dtype.
 
   `config`: block_m rows x 2 * block_n columns per CTA (2 * block_m x block_n with `split_rows`),
-  block_k the K step, max_concurrent_steps pipeline stages, grid_block_n the snake band in N blocks. K must be a multiple of block_k (the
-  caller pads). N need not be a multiple of 2 * block_n: TMA reads the columns past N as zeros and
-  drops their stores, and a warpgroup whose half lies wholly past N stores nothing, so narrow
+  block_k the K step, max_concurrent_steps pipeline stages, grid_block_n the snake band in N
+  blocks. K must be a multiple of block_k (the caller pads). N need not be a multiple of the CTA's
+  columns: TMA reads the columns past N as zeros and drops their stores, and a warpgroup whose
+  columns lie wholly past N stores nothing, so narrow
   experts (Qwen's 640) run on the wide tiles without a padded copy of the weights. Rows past
   sum(group_sizes) are 0 (zero tiles, no pass over the output). f32 accumulation.
   """
