@@ -9,6 +9,7 @@ Run on the H200 (one call per mode; every figure in a table comes from the same 
   python bench/flash_topk.py select --seq 16384    # the finish's selection kernel: rows per program x warps
   python bench/flash_topk.py table --shapes dsa16k dsa64k glm64k --out flash_topk.json
   python bench/flash_topk.py table --shapes dsa16k --only pallas pallas_fp8 xla_baseline   # bf16 vs fp8
+  python bench/flash_topk.py table --shapes dsa16k --only pallas pallas_unsorted   # the winners' sort's cost
   python bench/flash_topk.py table --smoke --out /tmp/smoke.json   # tiny shapes on CPU (interpret), seconds
 
 FLOPs are causal-effective: 2·H·D per visible (query, key) pair. "ceiling" is the same main pass with
@@ -21,7 +22,8 @@ scales (`quantize_fp8(..., power_of_two=True)`, DeepSeek-V3.2's ue8m0), q's scal
 head weights as DeepSeek does, outside the timed call: `pallas_fp8` (fp8 tensor cores in the main
 pass), `ceiling_fp8`, and `xla_baseline_fp8` (the same fp8 score function in XLA, for agreement).
 `fp8_overlap_with_bf16` is the mean fraction of a row's selected keys that the bf16 selection shares
-(quantization moves the boundary: about 98% is what others report).
+(quantization moves the boundary: about 98% is what others report). `pallas_unsorted` is the call
+the DSA layers make (`flash_topk(..., sorted=False)`: the same sets, no sort of the winners).
 """
 
 import argparse
@@ -174,11 +176,12 @@ def ceiling_fn(topk, compress_ratio, config):
   return fn
 
 
-def pallas_fn(topk, compress_ratio, config):
-  """(q, k, w[, k_scale]) -> (indices, scores, stats); k_scale for fp8 q and k."""
+def pallas_fn(topk, compress_ratio, config, by_score=True):
+  """(q, k, w[, k_scale]) -> (indices, scores, stats); k_scale for fp8 q and k; `by_score` False: the
+  op's `sorted=False` (the layers' call: no sort of the winners)."""
   def fn(q, k, w, k_scale=None):
     return flash_topk_pallas_with_stats(q, k, w, k_scale=k_scale, topk=topk, compress_ratio=compress_ratio,
-                                        scale=128**-0.5, config=config)
+                                        scale=128**-0.5, config=config, sorted=by_score)
   return fn
 
 
@@ -304,6 +307,7 @@ def run_table(shapes, config, reps, skip):
     variants = {  # name -> (function, its arguments)
         "pallas": (jax.jit(pallas_fn(topk, cr, config)), (q, k, w)),
         "pallas_fp8": (jax.jit(pallas_fn(topk, cr, config)), (q8, k8, w8, k_scale)),
+        "pallas_unsorted": (jax.jit(pallas_fn(topk, cr, config, by_score=False)), (q, k, w)),
         # The same backend with the previous finish (lax.top_k over the whole candidate buffer).
         "pallas_top_k_finish": (jax.jit(pallas_fn(topk, cr, dataclasses.replace(config, finish="top_k"))),
                                 (q, k, w)),
@@ -325,8 +329,10 @@ def run_table(shapes, config, reps, skip):
       if name.startswith("pallas"):
         stats = out[2]
         row.update(rescued=int(stats["rescued"]), candidates_per_row=float(stats["candidates_per_row"]))
-      if name in ("pallas", "xla_baseline", "pallas_fp8", "xla_baseline_fp8"):
+      if name in ("pallas", "pallas_unsorted", "xla_baseline", "pallas_fp8", "xla_baseline_fp8"):
         selected[name] = jnp.sort(out[0], axis=-1)
+      if name == "pallas_unsorted" and "pallas" in selected:  # the same sets as the sorted call
+        row["same_sets_as_pallas"] = bool(jnp.array_equal(selected[name], selected["pallas"]))
       if name == "pallas_top_k_finish" and "pallas" in results:  # the two finishes: bit-identical outputs
         ref = jax.block_until_ready(variants["pallas"][0](q, k, w))
         row["identical_to_pallas"] = bool(jnp.array_equal(out[0], ref[0]) & jnp.array_equal(out[1], ref[1]))
@@ -390,12 +396,12 @@ def main():
       configs = [c for c in configs if all(getattr(c, f) == v for f, v in args.config.items())]
     rows = run_tune(args.seq, configs, tuple(args.only or ("ceiling", "pallas")))
   else:
-    every = {"pallas", "pallas_fp8", "pallas_top_k_finish", "ceiling", "ceiling_fp8", "xla_baseline",
-             "xla_baseline_fp8", "reference"}
+    every = {"pallas", "pallas_unsorted", "pallas_fp8", "pallas_top_k_finish", "ceiling", "ceiling_fp8",
+             "xla_baseline", "xla_baseline_fp8", "reference"}
     skip = {s: every - set(args.only) for s in args.shapes} if args.only else {}
-    if args.smoke:  # CI's bench smoke (CI time): the old finish's equality is tests/test_flash_topk_pallas.py's,
-      # and the ceilings are timings only
-      skip = {"smoke": {"pallas_top_k_finish", "ceiling", "ceiling_fp8", "xla_baseline_fp8"}}
+    if args.smoke:  # CI's bench smoke (CI time): the old finish's equality and the unsorted call's sets are
+      # tests/test_flash_topk*.py's, and the ceilings are timings only
+      skip = {"smoke": {"pallas_top_k_finish", "pallas_unsorted", "ceiling", "ceiling_fp8", "xla_baseline_fp8"}}
     rows = run_table(args.shapes, Config(**args.config), args.reps, skip)
   if args.out:
     with open(args.out, "w") as f:

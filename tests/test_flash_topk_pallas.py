@@ -177,6 +177,40 @@ def test_keys_as_rows_matches_the_oracle_with_one_query_per_program(weighted):
     assert ((o_sc == 0) & (o_idx >= 0)).any()  # and on the ReLU plateau
 
 
+@functools.partial(jax.jit, static_argnames=("topk", "config", "by_score"))
+def _pallas_ordered(q, k, w, segment_ids, *, topk, config, by_score):
+  return flash_topk_pallas(q, k, w, topk=topk, segment_ids=segment_ids, config=config, interpret=True,
+                           sorted=by_score)
+
+
+@pytest.mark.parametrize("config", [_THRESHOLD, _OVERFLOW], ids=["threshold", "overflow"])
+def test_unsorted_selection_is_the_sorted_one_as_a_set(config):
+  """`sorted=False` returns each row's sorted entries, in another order: the same (index, score)
+  pairs, the empty slots (-1, -inf) still last. Integer inputs with ties, the ReLU plateau, rows
+  shorter than k (the first keys of each packed document) and masked keys across documents; the
+  threshold config takes its unsorted path on most rows, the overflow one rescues most rows."""
+  rng = np.random.default_rng(11)
+  B, T, H, D, topk = 2, 96, 2, 8, 6
+  q, k, w = _ints(rng, (B, T, H, D), -1, 2), _ints(rng, (B, T, D), -2, 1), _ints(rng, (B, T, H), -1, 2)
+  seg = jnp.asarray(packed_segments(rng, B, T, 3))
+  idx, sc = _pallas_ordered(q, k, w, (seg, seg), topk=topk, config=config, by_score=True)
+  u_idx, u_sc = _pallas_ordered(q, k, w, (seg, seg), topk=topk, config=config, by_score=False)
+  o_idx, o_sc = _oracle(q, k, w, topk=topk, segment_ids=(seg, seg))
+  _assert_equal("sorted vs f64 oracle", (idx, sc), o_idx, o_sc)
+  idx, sc, u_idx, u_sc = (np.asarray(x).reshape(B * T, topk) for x in (idx, sc, u_idx, u_sc))
+  reordered = 0
+  for row in range(B * T):
+    order = np.lexsort((u_idx[row], -u_sc[row]))  # the op's order: score descending, index ascending
+    np.testing.assert_array_equal(u_idx[row][order], idx[row], err_msg=f"row {row}")
+    np.testing.assert_array_equal(u_sc[row][order], sc[row], err_msg=f"row {row}")
+    n = (idx[row] >= 0).sum()
+    assert (u_idx[row][:n] >= 0).all() and (u_idx[row][n:] == -1).all() and (u_sc[row][n:] == -np.inf).all()
+    reordered += not np.array_equal(u_idx[row], idx[row])
+  assert (o_idx == -1).any()
+  if config is _THRESHOLD:  # the overflow config's rows are rescued, and the rescue returns them sorted
+    assert reordered > B * T // 4
+
+
 # --------------------------------------------------------------------------------------------
 # 3. Monotone scores: the worst case for a running threshold, and its mirror.
 # --------------------------------------------------------------------------------------------

@@ -163,7 +163,7 @@ class CompressedSparseAttention(nnx.Module):
       index_inputs = None if self.indexer is None else self.indexer(x, c_q, positions, segment_ids)
       if index_inputs is not None and not dense:
         selection = ops.flash_topk(*index_inputs, topk=cfg.index_topk, compress_ratio=self.ratio,
-                                   scale=self.indexer.score_scale, segment_ids=segs,
+                                   scale=self.indexer.score_scale, segment_ids=segs, sorted=False,
                                    backend=backend("flash_topk")).indices
         indices = jnp.concatenate([window, jnp.where(selection >= 0, selection + T, -1)], axis=-1)
         out, lse = sparse(jnp.concatenate([kv, entries], axis=1), indices, sinks=sinks)  # [B, T + S, hd] keys

@@ -163,7 +163,7 @@ class MLASparseAttention(nnx.Module):
         index_q, index_w = indexer.queries(x, c_q, positions)
       if self.indexer is not None and not replay:
         indices = ops.flash_topk(index_q, index_k, index_w, topk=cfg.index_topk, scale=self.indexer.score_scale,
-                                 q_offset=q_offset, segment_ids=(q_seg, segment_ids),
+                                 q_offset=q_offset, segment_ids=(q_seg, segment_ids), sorted=False,
                                  backend=backend("flash_topk")).indices
       # v is k's latent prefix: passing None lets the kernels gather and scatter one row for both.
       out, lse = ops.sparse_attention(q, k, None, indices, scale=scale, value_dim=cfg.kv_lora_rank,

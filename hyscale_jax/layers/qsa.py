@@ -227,7 +227,7 @@ class QSAAttention(nnx.Module):
     else:
       blocks = ops.flash_topk(index_q, block_keys, None, topk=cfg.index_topk,
                               compress_ratio=cfg.qsa_block, scale=self.indexer.score_scale,
-                              segment_ids=segs, backend=backend("flash_topk")).indices
+                              segment_ids=segs, sorted=False, backend=backend("flash_topk")).indices
       tokens = expand_blocks(blocks, segment_ids, cfg.qsa_block)
       out, lse = ops.sparse_attention(q, k, v, tokens, scale=self.scale, deterministic=cfg.sparse_attention_deterministic,
                                       backend=backend("sparse_attention"))

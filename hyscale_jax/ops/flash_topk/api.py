@@ -42,6 +42,7 @@ def flash_topk(
     q_scale: Float[Array, "B Tq H"] | None = None,
     k_scale: Float[Array, "B Tk"] | None = None,
     backend: Backend = "auto",
+    sorted: bool = True,  # noqa: A002 - torch.topk's name for the same switch
 ) -> TopK:
   """Exact top-k of `score[b,t,s] = scale * sum_h weights[b,t,h] * relu(<q[b,t,h], k[b,s]>)`.
 
@@ -51,8 +52,9 @@ def flash_topk(
   Query `t` sits at absolute position `p = q_offset + t`; key `s` is visible iff
   `(s + 1) * compress_ratio <= p + 1` (and, with `segment_ids`, iff the segment ids are equal).
   The result lists the `topk` greatest visible keys under "score descending, then index ascending",
-  in that order. Products accumulate in f32 and the head sum is f32. The outputs carry no gradient;
-  they are tagged `remat.SELECTION`, so the `"selection_replay"` remat policy saves them.
+  in that order (with `sorted=False`, the same entries in an order of the backend's choosing).
+  Products accumulate in f32 and the head sum is f32. The outputs carry no gradient; they are
+  tagged `remat.SELECTION`, so the `"selection_replay"` remat policy saves them.
 
   fp8 (DeepSeek-V3.2's indexer): q and k in float8_e4m3fn, with their scales from `quantize_fp8`.
   The score is then the f32 function
@@ -74,6 +76,11 @@ def flash_topk(
     q_scale: f32[B, Tq, H] fp8 q's per-(token, head) scales, or None (1); only with fp8 inputs.
     k_scale: f32[B, Tk] fp8 k's per-key scales, or None (1); only with fp8 inputs.
     backend: "auto", "pallas", "reference" or "xla_baseline".
+    sorted: list the entries in the order above (True), or leave them in an order the backend finds
+      cheapest (False): deterministic for one backend and input, the empty slots (-1) still last.
+      The Pallas backend then skips sorting each row's winners (2-3 ms of about 12 at T 16K on the
+      H200, bench/NOTES.md); the reference backends return the sorted order. DSA's consumers (sparse
+      attention, the indexer KL, IndexShare) treat the selection as a set, so the layers ask for this.
 
   Returns:
     TopK(indices=i32[B, Tq, topk], scores=f32[B, Tq, topk]). When fewer than `topk` keys are
@@ -88,14 +95,14 @@ def flash_topk(
   names = REGISTRY.candidates(backend)
   indices, scores = _flash_topk(
       q, k, weights, jnp.asarray(q_offset, jnp.int32), segment_ids, q_scale, k_scale,
-      topk=int(topk), compress_ratio=int(compress_ratio), scale=float(scale), names=names,
+      topk=int(topk), compress_ratio=int(compress_ratio), scale=float(scale), names=names, by_score=bool(sorted),
   )
   return TopK(*remat.tag((indices, scores), remat.SELECTION))
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "compress_ratio", "scale", "names"))
+@functools.partial(jax.jit, static_argnames=("topk", "compress_ratio", "scale", "names", "by_score"))
 def _flash_topk(q, k, weights, q_offset, segment_ids, q_scale, k_scale, *, topk, compress_ratio, scale,
-                names):
+                names, by_score):
   """The single jaxpr equation (named `_flash_topk`) that tools count as one selection."""
   q, k, weights, q_scale, k_scale = jax.lax.stop_gradient((q, k, weights, q_scale, k_scale))
   weights = fold_q_scale(weights, q_scale)  # backends see q's scales only through the head weights
@@ -105,7 +112,7 @@ def _flash_topk(q, k, weights, q_offset, segment_ids, q_scale, k_scale, *, topk,
     (q, weights, q_seg), (k, kv_seg, k_scale), (q_offset,) = local, full, replicated
     return REGISTRY.run(
         names, q, k, weights, topk=topk, compress_ratio=compress_ratio, q_offset=q_offset + row_offset,
-        segment_ids=None if q_seg is None else (q_seg, kv_seg), scale=scale, k_scale=k_scale,
+        segment_ids=None if q_seg is None else (q_seg, kv_seg), scale=scale, k_scale=k_scale, sorted=by_score,
     )
 
   mesh = _context.context_mesh()

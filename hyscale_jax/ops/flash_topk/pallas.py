@@ -8,7 +8,8 @@
 2. **Main pass** (`pallas_kernels.flash_topk`). Scores every visible key once on the tensor cores,
    keeps the keys above `t` and the first `topk` keys tied at `t`, and counts both.
 3. **Finish** (XLA). `lax.top_k` over the keys above `t` (equal scores: lower slot, which is the
-   lower key), then the ties in key order. This is exact whenever the row's counts show
+   lower key), then the ties in key order. With `sorted=False` the winners above `t` stay in key
+   order (no sort), then the ties. This is exact whenever the row's counts show
    `n_above <= slots` and `n_above + n_tied >= min(topk, n_visible)`: every winner is above `t`
    (all kept) or tied at `t` (lowest indices win, and those were kept first).
 4. **Rescue.** Rows failing either count (buffer overflow, or `t` above the row's k-th score) are
@@ -38,13 +39,16 @@ from pallas_kernels.flash_topk import (
 
 
 def flash_topk_pallas(q, k, weights, *, topk, compress_ratio=1, q_offset=0, segment_ids=None,
-                      scale=1.0, k_scale=None, config: Config | None = None, interpret: bool | None = None):
+                      scale=1.0, k_scale=None, config: Config | None = None, interpret: bool | None = None,
+                      sorted: bool = True):  # noqa: A002 - the op's name
   """Exact top-k as `ops.flash_topk` defines it, with the Pallas main pass.
 
   Args:
     q: bf16|f32|float8_e4m3fn[B, Tq, H, D]; k: the same dtypes, [B, Tk, D]; weights: bf16|f32[B, Tq, H]
       or None (for fp8, with q's scales folded in: `reference.fold_q_scale`).
-    topk, compress_ratio, q_offset, segment_ids, scale: as in `ops.flash_topk`.
+    topk, compress_ratio, q_offset, segment_ids, scale, sorted: as in `ops.flash_topk`; unsorted rows
+      list the winners above the row's threshold in key order, then those tied at it (rescued rows:
+      sorted).
     k_scale: f32[B, Tk] or None: fp8 k's per-key scales.
     config: `pallas_kernels.flash_topk.Config`; None = the defaults.
     interpret: run the kernel in Pallas interpret mode; None = whenever JAX's backend is not a GPU.
@@ -54,13 +58,13 @@ def flash_topk_pallas(q, k, weights, *, topk, compress_ratio=1, q_offset=0, segm
   """
   indices, scores, _ = _run(q, k, weights, topk=topk, compress_ratio=compress_ratio,
                             q_offset=q_offset, segment_ids=segment_ids, scale=scale, k_scale=k_scale,
-                            config=config, interpret=interpret)
+                            config=config, interpret=interpret, by_score=sorted)
   return indices, scores
 
 
 def flash_topk_pallas_with_stats(q, k, weights, *, topk, compress_ratio=1, q_offset=0,
                                  segment_ids=None, scale=1.0, k_scale=None, config: Config | None = None,
-                                 interpret: bool | None = None):
+                                 interpret: bool | None = None, sorted: bool = True):  # noqa: A002
   """`flash_topk_pallas` plus how its threshold did, for tuning, benchmarks and tests.
 
   Returns:
@@ -69,11 +73,12 @@ def flash_topk_pallas_with_stats(q, k, weights, *, topk, compress_ratio=1, q_off
     keys kept above the threshold; the threshold aims at `oversample * topk`).
   """
   return _run(q, k, weights, topk=topk, compress_ratio=compress_ratio, q_offset=q_offset,
-              segment_ids=segment_ids, scale=scale, k_scale=k_scale, config=config, interpret=interpret)
+              segment_ids=segment_ids, scale=scale, k_scale=k_scale, config=config, interpret=interpret,
+              by_score=sorted)
 
 
 def _run(q, k, weights, *, topk, compress_ratio, q_offset, segment_ids, scale, k_scale, config,
-         interpret):
+         interpret, by_score=True):
   config = config or Config()
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
@@ -81,12 +86,13 @@ def _run(q, k, weights, *, topk, compress_ratio, q_offset, segment_ids, scale, k
   q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
   return _select(q.astype(dtype), k.astype(dtype), weights, jnp.asarray(q_offset, jnp.int32), q_seg,
                  kv_seg, k_scale, topk=topk, compress_ratio=compress_ratio, scale=scale, config=config,
-                 interpret=interpret)
+                 interpret=interpret, by_score=by_score)
 
 
 def _select(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_ratio, scale, config,
-            interpret):
-  """(indices, scores, stats) for the top level; the threshold recursion uses the same path."""
+            interpret, by_score=True):
+  """(indices, scores, stats) for the top level; the threshold recursion uses the same path, sorted
+  (it reads the sample's rank-th score by position)."""
   B, Tq, H, _ = q.shape
   Tk = k.shape[1]
   slots = config.candidate_slots(topk, Tk)
@@ -112,7 +118,8 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_r
         segment_ids=None if q_seg is None else (rows(q_seg, start), kv_seg), topk=topk,
         compress_ratio=compress_ratio, scale=scale, slots=slots, config=config, interpret=interpret,
         key_scale=key_scale)
-    found = (*_finish(candidates, t_c, topk, method=config.finish, interpret=interpret), candidates.n_above)
+    found = (*_finish(candidates, t_c, topk, method=config.finish, interpret=interpret, by_score=by_score),
+             candidates.n_above)
     return tuple(jax.lax.dynamic_update_slice_in_dim(o, f, start, 1) for o, f in zip(outs, found))
 
   outs = (jnp.zeros((B, Tq, topk), jnp.int32), jnp.zeros((B, Tq, topk), jnp.float32),
@@ -160,13 +167,14 @@ def sort_winners(scores, indices, n):
   return from_ordered_bits(~key), indices
 
 
-def _finish(c: Candidates, threshold, topk, *, method="select", interpret=False):
+def _finish(c: Candidates, threshold, topk, *, method="select", interpret=False, by_score=True):
   """(indices, scores, exact): the top-k from the candidates, and whether the counts prove it.
 
   `method` ranks the strict candidates (`Config.finish`): "select" keeps each row's `topk` best
   with `select_candidates` and sorts only those by (score, key index); "top_k" runs `lax.top_k`
   over the whole buffer (equal scores: lower slot). The main pass lists a row's candidates in key
-  order, distinct, so both give the same result.
+  order, distinct, so both give the same result. Without `by_score`, "select" leaves its winners in
+  the buffer's key order.
   """
   B, Tq, slots = c.indices.shape
   tie_slots = c.tie_indices.shape[-1]
@@ -174,7 +182,8 @@ def _finish(c: Candidates, threshold, topk, *, method="select", interpret=False)
   if method == "select" and slots > topk:
     best, best_idx, n_best = select_candidates(c.scores.reshape(B * Tq, slots), c.indices.reshape(B * Tq, slots),
                                                n_kept.reshape(-1), topk, interpret=interpret)
-    best, best_idx = sort_winners(best, best_idx, n_best)
+    if by_score:
+      best, best_idx = sort_winners(best, best_idx, n_best)
     best, best_idx = best.reshape(B, Tq, topk), best_idx.reshape(B, Tq, topk)
   else:
     score = jnp.where(jnp.arange(slots) < n_kept, c.scores, -jnp.inf)

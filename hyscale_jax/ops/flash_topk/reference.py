@@ -173,8 +173,11 @@ def flash_topk_reference(
     k_scale: Float[Array, "B Tk"] | None = None,
     query_block: int = 64,
     key_chunk: int | None = None,
+    sorted: bool = True,  # noqa: A002 - the op's name
 ) -> tuple[Int[Array, "B Tq topk"], Float[Array, "B Tq topk"]]:
   """Exact streaming top-k: query blocks x key chunks with a running (score desc, index asc) merge.
+
+  The merge keeps the sorted order, so `sorted=False` (any order allowed) returns it too.
 
   Memory is O(Tq * (key_chunk + topk) + query_block * H * key_chunk); the [Tq, Tk] table is never
   built. Key chunks that are entirely in the causal future of a query block are skipped. Each
@@ -184,6 +187,7 @@ def flash_topk_reference(
   Returns:
     (indices i32[B, Tq, topk], scores f32[B, Tq, topk]); empty slots hold (-1, -inf).
   """
+  del sorted
   Tq, Tk = q.shape[1], k.shape[1]
   bq, ck = min(query_block, Tq), min(key_chunk or default_key_chunk(topk), Tk)
   q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
@@ -220,13 +224,15 @@ def flash_topk_xla_baseline(
     k_scale: Float[Array, "B Tk"] | None = None,
     query_rows: int | None = None,
     bytes_budget: int = 1 << 31,
+    sorted: bool = True,  # noqa: A002 - the op's name
 ) -> tuple[Int[Array, "B Tq topk"], Float[Array, "B Tq topk"]]:
-  """The baseline we beat: materialize full score rows, then `lax.top_k`.
+  """The baseline we beat: materialize full score rows, then `lax.top_k` (sorted, whatever `sorted` says).
 
   Rows are processed `query_rows` at a time (by default as many as fit `bytes_budget` of the
   [rows, H, Tk] f32 intermediate), like Megatron's row-chunked indexer; each chunk's [rows, Tk]
   score table is written out in full before selection.
   """
+  del sorted
   B, Tq, H, _ = q.shape
   Tk = k.shape[1]
   if query_rows is None:
