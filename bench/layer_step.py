@@ -207,9 +207,10 @@ def indexer_call(kind, indexer, d):
 
 
 def select(kind, cfg, scale, d, index, *, backend):
+  """The layers' selection call: unsorted, as they make it (the same sets; no sort of the winners)."""
   ratio = {"dsa": 1, "csa": cfg.csa_ratio, "qsa": cfg.qsa_block}[kind]
   return ops.flash_topk(*index, topk=cfg.index_topk, compress_ratio=ratio, scale=scale, segment_ids=d["segs"],
-                        backend=backend).indices
+                        sorted=False, backend=backend).indices
 
 
 def attention_args(kind, cfg, d, sel):

@@ -188,7 +188,8 @@ def test_unsorted_selection_is_the_sorted_one_as_a_set(config):
   """`sorted=False` returns each row's sorted entries, in another order: the same (index, score)
   pairs, the empty slots (-1, -inf) still last. Integer inputs with ties, the ReLU plateau, rows
   shorter than k (the first keys of each packed document) and masked keys across documents; the
-  threshold config takes its unsorted path on most rows, the overflow one rescues most rows."""
+  threshold config takes its unsorted path on most rows; the overflow one (2 slots, under topk) ranks
+  by `lax.top_k` and rescues, so there the flag changes nothing."""
   rng = np.random.default_rng(11)
   B, T, H, D, topk = 2, 96, 2, 8, 6
   q, k, w = _ints(rng, (B, T, H, D), -1, 2), _ints(rng, (B, T, D), -2, 1), _ints(rng, (B, T, H), -1, 2)
