@@ -32,6 +32,22 @@ def test_flash_topk_is_bit_identical_to_one_device(n, layout):
   assert (np.asarray(want.indices) >= 0).any()
 
 
+@pytest.mark.parametrize("layout", parallel.LAYOUTS)
+def test_unsorted_pallas_selection_is_bit_identical_to_one_device(layout):
+  """`sorted=False` on the Pallas kernel (interpret mode): each row's order is the kernel's own, so
+  splitting the rows over devices leaves it unchanged, bit for bit."""
+  rng = np.random.default_rng(5)
+  n, B, T, H, D, topk = 4, 1, 64, 2, 8, 6
+  q, k, w = _ints(rng, (B, T, H, D)), _ints(rng, (B, T, D)), _ints(rng, (B, T, H))
+  want = ops.flash_topk(q, k, w, topk=topk, backend="pallas", sorted=False)
+  lay = lambda x: parallel.to_layout(x, n, layout)
+  got = parallel.context_parallel_flash_topk(lay(q), lay(k), lay(w), mesh=_mesh(n), topk=topk, layout=layout,
+                                             backend="pallas", sorted=False)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(parallel.from_layout(a, n, layout)), np.asarray(b))
+  assert not np.array_equal(np.asarray(want.indices), np.asarray(ops.flash_topk(q, k, w, topk=topk).indices))
+
+
 def test_flash_topk_with_compressed_keys_and_documents():
   rng = np.random.default_rng(9)
   n, B, T, H, D, topk = 4, 1, 64, 2, 8, 5

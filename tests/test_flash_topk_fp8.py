@@ -177,6 +177,25 @@ def test_ties_made_by_key_scales():
   assert len(set(value[0, want])) == 2  # both raw dots among the winners
 
 
+def test_unsorted_fp8_selection_is_the_sorted_one_as_a_set():
+  """fp8 q and k with row scales through the op, Pallas in interpret mode: `sorted=False` returns the
+  sorted call's (index, score) pairs, reordered, the empty slots still last."""
+  rng = np.random.default_rng(12)
+  B, T, H, D, topk = 1, 40, 2, 8, 5
+  q, k, w = _ints(rng, (B, T, H, D), -2, 2), _ints(rng, (B, T, D), -2, 2), _ints(rng, (B, T, H), -1, 2, jnp.float32)
+  q_scale, k_scale = _pow2(rng, (B, T, H)), _pow2(rng, (B, T))
+  kw = dict(q_scale=q_scale, k_scale=k_scale, topk=topk, backend="pallas")
+  want, got = flash_topk(q, k, w, **kw), flash_topk(q, k, w, sorted=False, **kw)
+  want_i, want_s, got_i, got_s = (np.asarray(x)[0] for x in (*want, *got))
+  for row in range(T):
+    order = np.lexsort((got_i[row], -got_s[row]))
+    np.testing.assert_array_equal(got_i[row][order], want_i[row])
+    np.testing.assert_array_equal(got_s[row][order], want_s[row])
+    n = (want_i[row] >= 0).sum()
+    assert (got_i[row][n:] == -1).all()
+  assert not np.array_equal(got_i, want_i) and (want_i == -1).any()
+
+
 @pytest.mark.parametrize("fully_masked", [pytest.param(False, marks=pytest.mark.slow), True])  # True packs too
 def test_integer_fp8_packed_segments_and_masked_rows(fully_masked):
   rng = np.random.default_rng(17 + fully_masked)

@@ -74,7 +74,8 @@ def causal_work(T: int, n: int, layout: str, compress_ratio: int = 1) -> np.ndar
 
 def context_parallel_flash_topk(q, k, weights=None, *, mesh, topk, layout: str = "contiguous",
                                 compress_ratio: int = 1, segment_ids=None, scale: float = 1.0,
-                                backend: str = "auto", q_scale=None, k_scale=None):
+                                backend: str = "auto", q_scale=None, k_scale=None,
+                                sorted: bool = True):  # noqa: A002 - the op's name
   """`ops.flash_topk` with the sequence split over `mesh`'s `context` axis; bit-identical results.
 
   With the contiguous layout this is what `ops.flash_topk` does by itself under
@@ -85,7 +86,7 @@ def context_parallel_flash_topk(q, k, weights=None, *, mesh, topk, layout: str =
       k), in `layout` order along the sequence (see `to_layout`); query positions and key indices
       are those of the natural order.
     mesh: a mesh with a `context` axis (and optionally `data`/`fsdp` for the batch).
-    topk, compress_ratio, scale, backend: as in `ops.flash_topk`.
+    topk, compress_ratio, scale, backend, sorted: as in `ops.flash_topk`.
     layout: "contiguous" or "zigzag" (causally balanced).
 
   Returns:
@@ -105,7 +106,7 @@ def context_parallel_flash_topk(q, k, weights=None, *, mesh, topk, layout: str =
       parts.append(ops.flash_topk(
           sl(q), k, sl(w), topk=topk, compress_ratio=compress_ratio, q_offset=position,
           segment_ids=None if q_seg is None else (sl(q_seg), kv_seg), scale=scale, q_scale=sl(q_sc),
-          k_scale=k_sc, backend=backend))
+          k_scale=k_sc, backend=backend, sorted=sorted))
     return tuple(jnp.concatenate(x, axis=1) for x in zip(*parts))
 
   return ops.TopK(*_context.run_sequence_sharded(
