@@ -28,12 +28,12 @@ try:
   from tests.jaxpr_tools import equations, largest_intermediate
   from tests.oracles import index_scores as oracle_scores
   from tests.oracles import topk_oracle, visibility
-  from tests.topk_checks import packed_segments
+  from tests.topk_checks import assert_reordered_selection, packed_segments
 except ImportError:  # tests/ itself is on sys.path (pytest rootdir-less import mode)
   from jaxpr_tools import equations, largest_intermediate
   from oracles import index_scores as oracle_scores
   from oracles import topk_oracle, visibility
-  from topk_checks import packed_segments
+  from topk_checks import assert_reordered_selection, packed_segments
 
 # Small blocks and buffers so the sampled threshold and its recursion run at tiny shapes: with
 # topk in 4..8 and Tk > 16 keys the threshold is the 2nd best of every topk-th key. chunk_bytes
@@ -198,15 +198,7 @@ def test_unsorted_selection_is_the_sorted_one_as_a_set(config):
   u_idx, u_sc = _pallas_ordered(q, k, w, (seg, seg), topk=topk, config=config, by_score=False)
   o_idx, o_sc = _oracle(q, k, w, topk=topk, segment_ids=(seg, seg))
   _assert_equal("sorted vs f64 oracle", (idx, sc), o_idx, o_sc)
-  idx, sc, u_idx, u_sc = (np.asarray(x).reshape(B * T, topk) for x in (idx, sc, u_idx, u_sc))
-  reordered = 0
-  for row in range(B * T):
-    order = np.lexsort((u_idx[row], -u_sc[row]))  # the op's order: score descending, index ascending
-    np.testing.assert_array_equal(u_idx[row][order], idx[row], err_msg=f"row {row}")
-    np.testing.assert_array_equal(u_sc[row][order], sc[row], err_msg=f"row {row}")
-    n = (idx[row] >= 0).sum()
-    assert (u_idx[row][:n] >= 0).all() and (u_idx[row][n:] == -1).all() and (u_sc[row][n:] == -np.inf).all()
-    reordered += not np.array_equal(u_idx[row], idx[row])
+  reordered = assert_reordered_selection(*(np.asarray(x).reshape(B * T, topk) for x in (idx, sc, u_idx, u_sc)))
   assert (o_idx == -1).any()
   if config is _THRESHOLD:  # the overflow config's rows are rescued, and the rescue returns them sorted
     assert reordered > B * T // 4

@@ -1,5 +1,6 @@
-"""Shared by the FlashTopK tests: packed-document ids, and the near-exact check of a selection
-against the float64 oracle (DESIGN.md, "What exact means", random real-valued inputs)."""
+"""Shared by the FlashTopK tests: packed-document ids, the near-exact check of a selection against
+the float64 oracle (DESIGN.md, "What exact means", random real-valued inputs), and the check that an
+unsorted selection is the sorted one reordered."""
 
 import numpy as np
 
@@ -34,3 +35,17 @@ def assert_topk_near_exact(idx, sc, full, vis, o_idx, o_sc, name):
         assert row[s] <= kth + tol, (name, b, t, s, row[s], kth)
       np.testing.assert_allclose(sc[b, t, :n], row[got], rtol=1e-5, atol=tol, err_msg=name)
       assert (np.diff(sc[b, t, :n]) <= 0).all(), (name, b, t)
+
+
+def assert_reordered_selection(idx, sc, u_idx, u_sc) -> int:
+  """The unsorted selection (u_idx, u_sc) [rows, topk] holds each row's sorted (idx, sc) pairs in
+  another order, its empty slots (-1, -inf) still last. Returns how many rows differ in order."""
+  reordered = 0
+  for row in range(idx.shape[0]):
+    order = np.lexsort((u_idx[row], -u_sc[row]))  # the op's order: score descending, index ascending
+    np.testing.assert_array_equal(u_idx[row][order], idx[row], err_msg=f"row {row}")
+    np.testing.assert_array_equal(u_sc[row][order], sc[row], err_msg=f"row {row}")
+    n = (idx[row] >= 0).sum()
+    assert (u_idx[row][:n] >= 0).all() and (u_idx[row][n:] == -1).all() and (u_sc[row][n:] == -np.inf).all()
+    reordered += not np.array_equal(u_idx[row], idx[row])
+  return reordered

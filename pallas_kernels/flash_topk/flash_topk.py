@@ -2,7 +2,8 @@
 
 Each program scores `block_q` queries (x H heads as matmul rows, so one key tile feeds every head;
 with `Config.keys_as_rows` the keys are the rows and the heads the columns) against `block_k` keys
-per step on the tensor cores, applies ReLU and the head weights, and sums over heads in f32. Against a per-row threshold `t` it appends, in key order,
+per step on the tensor cores, applies ReLU and the head weights, and sums over heads in f32.
+Against a per-row threshold `t` it appends, in key order,
 
 * every visible key with `score > t` into a buffer of `slots` (index, score) pairs per row, and
 * the first `tie_slots` visible keys with `score == t` (indices only) into a tie buffer,
@@ -151,24 +152,18 @@ def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads,
     n_gt, n_eq, n_vis = counts
     k_pos = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     k_tile = k_ref[pl.ds(j * block_k, block_k), :]
-    precision = _HIGHEST if precise else None
-    if keys_as_rows:
-      dots = jax.lax.dot_general(k_tile, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                 precision=precision)  # [block_k, block_q*H]
-      relu = jnp.maximum(dots, 0.0)
-      if has_weights:
-        relu = relu * w
-      if block_q == 1:  # the GPU's default program: no 3-D reshape, no transpose
-        score = relu.sum(axis=1)[None, :]
-      else:
-        score = relu.reshape(block_k, block_q, heads).sum(axis=2).T
-    else:
-      dots = jax.lax.dot_general(q, k_tile, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                 precision=precision)  # [block_q*H, block_k]
-      relu = jnp.maximum(dots, 0.0)
-      if has_weights:
-        relu = relu * w
+    lhs, rhs = (k_tile, q) if keys_as_rows else (q, k_tile)
+    dots = jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                               precision=_HIGHEST if precise else None)  # [block_k, block_q*H] with keys as rows
+    relu = jnp.maximum(dots, 0.0)
+    if has_weights:
+      relu = relu * w
+    if not keys_as_rows:
       score = relu.reshape(block_q, heads, block_k).sum(axis=1)
+    elif block_q == 1:  # the GPU's default program: no 3-D reshape, no transpose
+      score = relu.sum(axis=1)[None, :]
+    else:
+      score = relu.reshape(block_k, block_q, heads).sum(axis=2).T
     if has_key_scale:
       score = score * key_scale_ref[pl.ds(j * block_k, block_k)][None, :]
     else:

@@ -10,9 +10,10 @@
 3. **Finish** (XLA). `lax.top_k` over the keys above `t` (equal scores: lower slot, which is the
    lower key), then the ties in key order. With `sorted=False` and the "select" finish over a buffer
    wider than `topk`, the winners above `t` stay in key order (no sort), then the ties; the
-   `lax.top_k` finish (short key axes included) and rescued rows come out sorted anyway. This is exact whenever the row's counts show
-   `n_above <= slots` and `n_above + n_tied >= min(topk, n_visible)`: every winner is above `t`
-   (all kept) or tied at `t` (lowest indices win, and those were kept first).
+   `lax.top_k` finish (short key axes included) and rescued rows come out sorted anyway. This is
+   exact whenever the row's counts show `n_above <= slots` and `n_above + n_tied >= min(topk,
+   n_visible)`: every winner is above `t` (all kept) or tied at `t` (lowest indices win, and those
+   were kept first).
 4. **Rescue.** Rows failing either count (buffer overflow, or `t` above the row's k-th score) are
    recomputed by the streaming reference, so an overflow never drops a winner silently.
 
