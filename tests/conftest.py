@@ -35,3 +35,16 @@ def _release_compiled_programs():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+class _FakeHopper:
+  """What Mosaic GPU and our kernels' dispatch read from `jax.devices()[0]` on an H200."""
+  platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H200", "9.0", 132
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch):
+  """The code under test sees an H200 (compiled kernels, not interpreted ones), for export tests on the CPU
+  (`jaxpr_tools.export_for_h200`)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])

@@ -6,13 +6,16 @@ import numpy as np
 
 
 def export_for_h200(fn, *args):
-  """`fn` exported for CUDA on this CPU: Pallas lowers its kernels to Triton IR for an abstract H200
-  (Triton's own compile to PTX is left to the device)."""
+  """`fn` exported for CUDA on this CPU: Pallas lowers its kernels for an abstract H200, to Triton IR
+  (Triton's own compile to PTX is left to the device) or through Mosaic GPU's lowering (layouts, the
+  warpgroup MMA, TMA and its shared-memory check). Mosaic GPU reads the device from `jax.devices()`:
+  use the `fake_hopper` fixture (tests/conftest.py) for its kernels."""
   h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200, axis_types=(jax.sharding.AxisType.Auto,))
-  triton = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  kernels = [jax.export.DisabledSafetyCheck.custom_call(name)
+             for name in ("__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2")]
   with jax.sharding.use_abstract_mesh(mesh):
-    return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=triton)(*args)
+    return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=kernels)(*args)
 
 
 def _as_jaxpr(value):

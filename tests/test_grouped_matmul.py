@@ -261,18 +261,6 @@ def test_tile_table_covers_every_row_of_every_group_once(sizes, m):
 
 # ---- the Pallas backend lowered for CUDA on CPU (shapes, padding, the custom_vjp wiring) ----
 
-class _FakeHopper:
-  """What the Pallas path reads from `jax.devices()[0]` on an H200."""
-  platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H200", "9.0", 132
-
-
-@pytest.fixture
-def fake_hopper(monkeypatch):
-  """The Pallas path sees an H200 (compiled kernels, not interpreted ones), for export tests on CPU."""
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
-
-
 @pytest.mark.parametrize("m, k, n, transpose_rhs", [(300, 96, 200, False), (1024, 256, 384, True), (7, 64, 128, False)])
 def test_pallas_backend_lowers_for_cuda(m, k, n, transpose_rhs, monkeypatch, tmp_path, fake_hopper):
   """Forward and both gradients through `backend="pallas"` export for a CUDA target: three Mosaic GPU
@@ -286,9 +274,7 @@ def test_pallas_backend_lowers_for_cuda(m, k, n, transpose_rhs, monkeypatch, tmp
   def loss(a, b, s):
     return jnp.square(ops.grouped_matmul(a, b, s, transpose_rhs=transpose_rhs, backend="pallas")).sum()
 
-  mosaic = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("mosaic_gpu", "mosaic_gpu_v2")]
-  exported = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), platforms=["cuda"],
-                               disabled_checks=mosaic)(lhs, rhs, sizes)
+  exported = jaxpr_tools.export_for_h200(jax.value_and_grad(loss, argnums=(0, 1)), lhs, rhs, sizes)
   text = exported.mlir_module()
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3 and "stablehlo.dot_general" not in text
   assert [tuple(a.shape) for a in exported.out_avals] == [(), (m, k), rhs.shape]
@@ -302,9 +288,7 @@ def test_forward_kernel_lowers_for_cuda(fake_hopper):
   config = autotune.Config(block_n=64, grid_block_n=2)
   args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 128), (5, 128, 192))]
   args.append(jax.ShapeDtypeStruct((5,), jnp.int32))
-  mosaic = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("mosaic_gpu", "mosaic_gpu_v2")]
-  exported = jax.export.export(jax.jit(lambda a, b, s: kernels._forward(a, b, s, config, False)),
-                               platforms=["cuda"], disabled_checks=mosaic)(*args)
+  exported = jaxpr_tools.export_for_h200(lambda a, b, s: kernels._forward(a, b, s, config, False), *args)
   assert "custom_call @mosaic_gpu" in exported.mlir_module()
   assert exported.out_avals[0].shape == (256, 192)
 
@@ -415,16 +399,14 @@ def test_continuous_kernels_lower_for_cuda(variant, fake_hopper):
   from pallas_kernels.grouped_matmul import grouped_matmul as kernels  # noqa: PLC0415
 
   config = _CONTINUOUS[variant]
-  mosaic = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("mosaic_gpu", "mosaic_gpu_v2")]
   sizes = jax.ShapeDtypeStruct((5,), jnp.int32)
   for transpose_rhs in (False, True):
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 128), (5, 192, 128) if transpose_rhs else (5, 128, 192))]
-    exported = jax.export.export(jax.jit(lambda a, b, s: kernels._forward(a, b, s, config, transpose_rhs)),
-                                 platforms=["cuda"], disabled_checks=mosaic)(*args, sizes)
+    forward = lambda a, b, s: kernels._forward(a, b, s, config, transpose_rhs)  # noqa: E731
+    exported = jaxpr_tools.export_for_h200(forward, *args, sizes)
     assert "custom_call @mosaic_gpu" in exported.mlir_module() and exported.out_avals[0].shape == (256, 192)
   args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 128), (256, 320))]
-  exported = jax.export.export(jax.jit(lambda a, b, s: kernels._transposed(a, b, s, config)), platforms=["cuda"],
-                               disabled_checks=mosaic)(*args, sizes)
+  exported = jaxpr_tools.export_for_h200(lambda a, b, s: kernels._transposed(a, b, s, config), *args, sizes)
   assert "custom_call @mosaic_gpu" in exported.mlir_module() and exported.out_avals[0].shape == (5, 128, 320)
 
 

@@ -13,14 +13,9 @@ import pytest
 from hyscale_jax.ops.sparse_attention.reference import sparse_attention_forward_reference
 from pallas_kernels.sparse_attention import sparse_attention as triton_forward
 from pallas_kernels.sparse_attention.mgpu_forward import Config, live_steps, sparse_attention_forward_mgpu
+from tests.jaxpr_tools import export_for_h200
 
 _ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU")
-_MOSAIC = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("mosaic_gpu", "mosaic_gpu_v2")]
-
-
-class _FakeHopper:
-  """What Mosaic GPU reads from `jax.devices()[0]` on an H200."""
-  platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H200", "9.0", 132
 
 
 def _forward(config=None, value_dim=512, scale=576**-0.5):
@@ -37,14 +32,13 @@ _OLD = Config(gather_signal="wait_group", zero_fill=False, trim_steps=False)  # 
     (1, 5, 64, 200, Config(gather_signal="wait_group", gathers_in_flight=2), False, 576),
     (1, 5, 64, 130, Config(zero_fill=False, trim_steps=False), True, 512),  # DeepSeek-V4: K = V, sinks
 ])
-def test_lowers_for_h200(B, T, H, K, config, sinks, Dk, monkeypatch):
+def test_lowers_for_h200(B, T, H, K, config, sinks, Dk, fake_hopper):
   """One Mosaic GPU kernel at MLA dims (Dk 576, Dv 512), selections padded to the step, heads in blocks of 64."""
-  monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
   args = [jax.ShapeDtypeStruct((B, T, H, Dk), jnp.bfloat16), jax.ShapeDtypeStruct((B, 77, 1, Dk), jnp.bfloat16),
           jax.ShapeDtypeStruct((B, T, K), jnp.int32), jax.ShapeDtypeStruct((H,), jnp.float32)]
   fwd = _forward(config)
   f = (lambda q, k, i, s: fwd(q, k, None, i, sinks=s)) if sinks else (lambda q, k, i: fwd(q, k, None, i))
-  exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=_MOSAIC)(*args[:4 if sinks else 3])
+  exported = export_for_h200(f, *args[:4 if sinks else 3])
   assert exported.mlir_module().count("custom_call @mosaic_gpu") == 1
   assert [a.shape for a in exported.out_avals] == [(B, T, H, 512), (B, T, H)]
   assert exported.out_avals[1].dtype == jnp.float32
@@ -153,19 +147,13 @@ def test_matches_reference(B, T, S, H, K, variant, Dk, sinks):
 
 
 def _lowered_kernels(config, sinks, monkeypatch, heads=64, value_dim=512):
-  """The custom calls of the `pallas` forward compiled for a (faked) H200 at MLA dims."""
-  monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
+  """The custom calls of the `pallas` forward compiled for a (faked) H200 at MLA dims (with `fake_hopper`)."""
   monkeypatch.setattr(triton_forward, "require_hopper", lambda what: None)
   args = [jax.ShapeDtypeStruct((1, 3, heads, 576), jnp.bfloat16), jax.ShapeDtypeStruct((1, 40, 1, 576), jnp.bfloat16),
           jax.ShapeDtypeStruct((1, 3, 64), jnp.int32)]
   fwd = functools.partial(triton_forward.sparse_attention_forward_pallas, scale=0.04, value_dim=value_dim, config=config,
                           sinks=sinks, interpret=False)
-  checks = _MOSAIC + [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-  h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")  # what Triton's lowering reads
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200, axis_types=(jax.sharding.AxisType.Auto,))
-  with jax.sharding.use_abstract_mesh(mesh):
-    text = jax.export.export(jax.jit(lambda q, k, i: fwd(q, k, None, i)), platforms=["cuda"],
-                             disabled_checks=checks)(*args).mlir_module()
+  text = export_for_h200(lambda q, k, i: fwd(q, k, None, i), *args).mlir_module()
   return {name for name in ("mosaic_gpu", "__gpu$xla.gpu.triton") if f"custom_call @{name}" in text}
 
 
@@ -176,13 +164,14 @@ def _lowered_kernels(config, sinks, monkeypatch, heads=64, value_dim=512):
     ("auto", True, 64, {"mosaic_gpu"}),  # sinks
     ("auto", False, 32, {"__gpu$xla.gpu.triton"}),  # 32 heads: the Mosaic kernel declines, the Triton kernel runs
 ])
-def test_pallas_forward_picks_the_mosaic_kernel_where_it_applies(forward, sinks, heads, expected, monkeypatch):
+def test_pallas_forward_picks_the_mosaic_kernel_where_it_applies(forward, sinks, heads, expected, monkeypatch,
+                                                                 fake_hopper):
   config = triton_forward.Config(forward=forward)
   sinks = jnp.zeros((heads,), jnp.float32) if sinks else None
   assert _lowered_kernels(config, sinks, monkeypatch, heads) == expected
 
 
-def test_pallas_forward_mosaic_request_raises_where_it_does_not_apply(monkeypatch):
+def test_pallas_forward_mosaic_request_raises_where_it_does_not_apply(monkeypatch, fake_hopper):
   with pytest.raises(NotImplementedError, match="H % 64"):
     _lowered_kernels(triton_forward.Config(forward="mosaic"), None, monkeypatch, heads=32)
   with pytest.raises(ValueError, match="Config.forward"):
@@ -193,7 +182,7 @@ def test_pallas_forward_mosaic_request_raises_where_it_does_not_apply(monkeypatc
                                                    config=triton_forward.Config(forward="mosaic"))
 
 
-def test_pallas_forward_keeps_the_mosaic_kernel_to_what_the_triton_backward_takes(monkeypatch):
+def test_pallas_forward_keeps_the_mosaic_kernel_to_what_the_triton_backward_takes(monkeypatch, fake_hopper):
   """Dv 384 (a multiple of 128, not a power of two) would run forward on Mosaic GPU but has no
   backward: the pallas forward declines it as the Triton kernel always did, so "auto" falls back."""
   for forward in ("auto", "mosaic"):

@@ -16,14 +16,9 @@ from hyscale_jax.ops.sparse_attention.reference import (
 )
 from pallas_kernels.sparse_attention import sparse_attention as pallas_sa
 from pallas_kernels.sparse_attention.mgpu_backward import Config, check_applies, sparse_attention_backward_mgpu
+from tests.jaxpr_tools import export_for_h200
 
 _ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU")
-_MOSAIC = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("mosaic_gpu", "mosaic_gpu_v2")]
-
-
-class _FakeHopper:
-  """What Mosaic GPU reads from `jax.devices()[0]` on an H200."""
-  platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H200", "9.0", 132
 
 
 def _avals(B, T, H, K, S, Dk, Dv):
@@ -39,10 +34,9 @@ def _avals(B, T, H, K, S, Dk, Dv):
     (1, 3, 64, 130, 512, 512, None),  # DeepSeek-V4: K = V
     (1, 3, 64, 64, 576, 512, Config(consumer_registers=232, producer_registers=40, skip_scatter=True)),
 ])
-def test_lowers_for_h200(B, T, H, K, Dk, Dv, config, monkeypatch):
-  monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
+def test_lowers_for_h200(B, T, H, K, Dk, Dv, config, fake_hopper):
   f = functools.partial(sparse_attention_backward_mgpu, scale=Dk**-0.5, config=config)
-  exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=_MOSAIC)(*_avals(B, T, H, K, 77, Dk, Dv))
+  exported = export_for_h200(f, *_avals(B, T, H, K, 77, Dk, Dv))
   assert exported.mlir_module().count("custom_call @mosaic_gpu") == 1
   assert [(a.shape, a.dtype) for a in exported.out_avals] == [((B, T, H, Dk), jnp.bfloat16), ((B, 77, 1, Dk), jnp.float32)]
 
@@ -68,10 +62,8 @@ def test_declines(change):
     check_applies(q, k, v, 512, deterministic=change == "deterministic")
 
 
-def _lowered_backward(config, monkeypatch, heads=64, deterministic=False):
-  """The custom calls of the `pallas` backward compiled for a (faked) H200 at MLA dims."""
-  monkeypatch.setattr(jax, "devices", lambda *a: [_FakeHopper()])
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+def _lowered_backward(config, heads=64, deterministic=False):
+  """The custom calls of the `pallas` backward compiled for a (faked) H200 at MLA dims (with `fake_hopper`)."""
   B, T, K, S = 1, 3, 64, 40
   avals = _avals(B, T, heads, K, S, 576, 512)
 
@@ -80,11 +72,7 @@ def _lowered_backward(config, monkeypatch, heads=64, deterministic=False):
                                                       config=config, interpret=False,
                                                       deterministic=deterministic)[:2]
 
-  checks = _MOSAIC + [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-  h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")  # what Triton's lowering reads
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200, axis_types=(jax.sharding.AxisType.Auto,))
-  with jax.sharding.use_abstract_mesh(mesh):
-    text = jax.export.export(jax.jit(bwd), platforms=["cuda"], disabled_checks=checks)(*avals).mlir_module()
+  text = export_for_h200(bwd, *avals).mlir_module()
   return {name for name in ("mosaic_gpu", "__gpu$xla.gpu.triton") if f"custom_call @{name}" in text}
 
 
@@ -95,14 +83,14 @@ def _lowered_backward(config, monkeypatch, heads=64, deterministic=False):
     ("auto", 32, False, {"__gpu$xla.gpu.triton"}),  # 32 heads: the Mosaic kernel declines
     ("auto", 64, True, {"__gpu$xla.gpu.triton"}),  # deterministic: Triton's slabs
 ])
-def test_pallas_backward_dispatch(backward, heads, deterministic, expected, monkeypatch):
+def test_pallas_backward_dispatch(backward, heads, deterministic, expected, fake_hopper):
   config = pallas_sa.Config(backward=backward)
-  assert _lowered_backward(config, monkeypatch, heads, deterministic) == expected
+  assert _lowered_backward(config, heads, deterministic) == expected
 
 
-def test_pallas_backward_mosaic_request_raises_where_it_does_not_apply(monkeypatch):
+def test_pallas_backward_mosaic_request_raises_where_it_does_not_apply(fake_hopper):
   with pytest.raises(NotImplementedError, match="H % 64"):
-    _lowered_backward(pallas_sa.Config(backward="mosaic"), monkeypatch, heads=32)
+    _lowered_backward(pallas_sa.Config(backward="mosaic"), heads=32)
   with pytest.raises(ValueError, match="Config.backward"):
     pallas_sa.Config(backward="cuda")
 
