@@ -5,6 +5,8 @@ Run on the H200 (one call per mode; every figure in a table comes from the same 
   python bench/flash_topk.py check                 # GPU correctness: bit-exact on integer inputs
   python bench/flash_topk.py tune --seq 16384      # main-pass configs at one shape
   python bench/flash_topk.py tune --only ceiling ceiling_fp8   # the main pass alone, bf16 against fp8
+  python bench/flash_topk.py tune --only ceiling ceiling_mgpu  # Triton's main pass against the Mosaic GPU scoring
+  python bench/flash_topk.py table --shapes dsa16k dsa64k --only ceiling ceiling_mgpu --mgpu-config '{"block_q": 2}'
   python bench/flash_topk.py tune --config '{"block_k": 128}'   # the listed configs with these fields
   python bench/flash_topk.py select --seq 16384    # the finish's selection kernel: rows per program x warps
   python bench/flash_topk.py table --shapes dsa16k dsa64k glm64k --out flash_topk.json
@@ -21,6 +23,11 @@ The `_fp8` variants take the same q and k quantized per row to float8_e4m3fn wit
 scales (`quantize_fp8(..., power_of_two=True)`, DeepSeek-V3.2's ue8m0), q's scales folded into the
 head weights as DeepSeek does, outside the timed call: `pallas_fp8` (fp8 tensor cores in the main
 pass), `ceiling_fp8`, and `xla_baseline_fp8` (the same fp8 score function in XLA, for agreement).
+`ceiling_mgpu` is the Mosaic GPU scoring pass (`pallas_kernels.flash_topk.mgpu_scores`: warpgroup MMA
++ TMA, counts and max per row, no candidate buffers) at threshold +inf, on the same inputs as
+`ceiling`: both score every visible pair and select nothing. Its blocks come from `--mgpu-config`
+(`block_q`, `block_k`, `stages`, `pingpong`, register budgets); `tune` runs a list of them (`MGPU_CONFIGS`,
+narrowed by `--mgpu-config`'s fields) beside the Triton configs. Compress ratio 1 only.
 `fp8_overlap_with_bf16` is the mean fraction of a row's selected keys that the bf16 selection shares
 (quantization moves the boundary: about 98% is what others report). `pallas_unsorted` is the call
 the DSA layers make (`flash_topk(..., sorted=False)`: the same sets, no sort of the winners).
@@ -57,6 +64,13 @@ SHAPES = {
     "dsa1m": (1048576, 64, 128, 2048, 1, True),
     "smoke": (256, 4, 16, 32, 1, True),
 }
+
+
+# `tune`'s Mosaic GPU scoring configs at H 64, D 128, each within shared memory (`mgpu_scores.smem_bytes`);
+# block_q 4 with block_k 128 keeps a [128, 256] f32 accumulator, 256 registers a thread: expect spills.
+MGPU_CONFIGS = [dict(block_q=bq, block_k=bk, stages=st, pingpong=pp) for bq, bk, st, pp in [
+    (4, 64, 2, False), (4, 64, 3, False), (4, 64, 4, False), (4, 64, 4, True), (4, 128, 2, False),
+    (2, 64, 3, False), (2, 64, 5, False), (2, 64, 5, True), (2, 128, 2, False), (1, 128, 3, False)]]
 
 
 def visible_pairs(T, compress_ratio):
@@ -176,6 +190,19 @@ def ceiling_fn(topk, compress_ratio, config):
   return fn
 
 
+def ceiling_mgpu_fn(mgpu_config):
+  """(q, k, w) -> (n_above, max_score) of the Mosaic GPU scoring pass at threshold +inf (batch row 0;
+  the bench's inputs have one)."""
+  from pallas_kernels.flash_topk.mgpu_scores import score_counts_mgpu  # noqa: PLC0415 - Mosaic GPU only when run
+
+  def fn(q, k, w):
+    t = jnp.full(q.shape[1:2], jnp.inf, jnp.float32)
+    w = jnp.ones(q.shape[1:3], jnp.float32) if w is None else w[0]
+    n_above, _, best = score_counts_mgpu(q[0], k[0], w, t, scale=128**-0.5, interpret=interpret(), **mgpu_config)
+    return n_above, best
+  return fn
+
+
 def pallas_fn(topk, compress_ratio, config, by_score=True):
   """(q, k, w[, k_scale]) -> (indices, scores, stats); k_scale for fp8 q and k; `by_score` False: the
   op's `sorted=False` (the layers' call: no sort of the winners)."""
@@ -185,22 +212,29 @@ def pallas_fn(topk, compress_ratio, config, by_score=True):
   return fn
 
 
-def run_tune(T, configs, names=("ceiling", "pallas")):
-  """Each config's time for the variants in `names`: ceiling, pallas, and their `_fp8` twins."""
+def run_tune(T, configs, names=("ceiling", "pallas"), mgpu_configs=()):
+  """Each config's time for the variants in `names`: ceiling, pallas, and their `_fp8` twins over
+  `configs`; ceiling_mgpu over `mgpu_configs` (dicts of `score_counts_mgpu`'s block arguments)."""
   q, k, w = inputs(T, 64, 128, 1, True)
   args = {"": (q, k, w), "_fp8": jax.jit(fp8_inputs)(q, k, w)}
   flops = 2 * 64 * 128 * visible_pairs(T, 1)
+  triton_names = [n for n in names if n != "ceiling_mgpu"]
+  runs = [(config, name) for config in configs for name in triton_names]
+  if "ceiling_mgpu" in names:
+    runs += [(config, "ceiling_mgpu") for config in mgpu_configs]
   rows = []
-  for config in configs:
-    for name in names:
-      make = ceiling_fn if name.startswith("ceiling") else pallas_fn
-      try:
-        s = timed(jax.jit(make(2048, 1, config)), *args["_fp8" if name.endswith("_fp8") else ""], reps=3)
-        row = dict(variant=name, T=T, config=str(config), ms=s * 1e3, tflops=flops / s / 1e12)
-      except Exception as e:  # a config Triton cannot compile: report it and go on
-        row = dict(variant=name, T=T, config=str(config), error=f"{type(e).__name__}: {str(e)[:200]}")
-      print(row, flush=True)
-      rows.append(row)
+  for config, name in runs:
+    if name == "ceiling_mgpu":
+      fn = ceiling_mgpu_fn(config)
+    else:
+      fn = (ceiling_fn if name.startswith("ceiling") else pallas_fn)(2048, 1, config)
+    try:
+      s = timed(jax.jit(fn), *args["_fp8" if name.endswith("_fp8") else ""], reps=3)
+      row = dict(variant=name, T=T, config=str(config), ms=s * 1e3, tflops=flops / s / 1e12)
+    except Exception as e:  # a config Triton (or Mosaic GPU) cannot compile: report it and go on
+      row = dict(variant=name, T=T, config=str(config), error=f"{type(e).__name__}: {str(e)[:200]}")
+    print(row, flush=True)
+    rows.append(row)
   return rows
 
 
@@ -295,7 +329,7 @@ def run_memory(shapes, config):
   return rows
 
 
-def run_table(shapes, config, reps, skip):
+def run_table(shapes, config, reps, skip, mgpu_config=None):
   rows = []
   for shape in shapes:
     T, H, D, topk, cr, use_w = SHAPES[shape]
@@ -313,6 +347,7 @@ def run_table(shapes, config, reps, skip):
                                 (q, k, w)),
         "ceiling": (jax.jit(ceiling_fn(topk, cr, config)), (q, k, w)),
         "ceiling_fp8": (jax.jit(ceiling_fn(topk, cr, config)), (q8, k8, w8, k_scale)),
+        "ceiling_mgpu": (jax.jit(ceiling_mgpu_fn(mgpu_config or {})), (q, k, w)),
         "xla_baseline": (jax.jit(baseline), (q, k, w)),
         "xla_baseline_fp8": (jax.jit(baseline), (q8, k8, w8, k_scale)),
         "reference": (jax.jit(lambda q, k, w: tuple(ops.flash_topk(
@@ -321,6 +356,9 @@ def run_table(shapes, config, reps, skip):
     results, selected = {}, {}
     for name, (fn, args) in variants.items():
       if name in skip.get(shape, ()):
+        continue
+      if name == "ceiling_mgpu" and cr != 1:
+        print(dict(shape=shape, variant=name, skipped="the Mosaic GPU scoring takes compress_ratio 1 only"))
         continue
       out = jax.block_until_ready(fn(*args))  # the warm-up; its stats are reported
       seconds = timed(fn, *args, reps=reps, warmup=False)
@@ -370,6 +408,8 @@ def main():
   parser.add_argument("--only", nargs="*", default=None, help="variants to run (default: all)")
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--config", type=json.loads, default={}, help="Config fields as JSON")
+  parser.add_argument("--mgpu-config", type=json.loads, default={},
+                      help="ceiling_mgpu's score_counts_mgpu block arguments as JSON (block_q, block_k, stages, ...)")
   parser.add_argument("--out", default=None)
   parser.add_argument("--smoke", action="store_true", help="the table at a tiny shape on any device, in seconds")
   args = parser.parse_args()
@@ -394,15 +434,19 @@ def main():
                 for bk, nw, ns in [(64, 4, 2), (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 2)]]
     if args.config:  # a subset: the listed configs that agree with --config's fields
       configs = [c for c in configs if all(getattr(c, f) == v for f, v in args.config.items())]
-    rows = run_tune(args.seq, configs, tuple(args.only or ("ceiling", "pallas")))
+    # ceiling_mgpu: the listed configs that agree with --mgpu-config, or that config alone if none does
+    mgpu_configs = [c for c in MGPU_CONFIGS if all(c.get(f) == v for f, v in args.mgpu_config.items())]
+    mgpu_configs = mgpu_configs or [{**MGPU_CONFIGS[0], **args.mgpu_config}]
+    rows = run_tune(args.seq, configs, tuple(args.only or ("ceiling", "pallas")), mgpu_configs)
   else:
     every = {"pallas", "pallas_unsorted", "pallas_fp8", "pallas_top_k_finish", "ceiling", "ceiling_fp8",
-             "xla_baseline", "xla_baseline_fp8", "reference"}
+             "ceiling_mgpu", "xla_baseline", "xla_baseline_fp8", "reference"}
     skip = {s: every - set(args.only) for s in args.shapes} if args.only else {}
-    if args.smoke:  # CI's bench smoke (CI time): the old finish's equality and the unsorted call's sets are
-      # tests/test_flash_topk*.py's, and the ceilings are timings only
-      skip = {"smoke": {"pallas_top_k_finish", "pallas_unsorted", "ceiling", "ceiling_fp8", "xla_baseline_fp8"}}
-    rows = run_table(args.shapes, Config(**args.config), args.reps, skip)
+    if args.smoke and not args.only:  # CI's bench smoke (CI time): the old finish's equality and the unsorted
+      # call's sets are tests/test_flash_topk*.py's, and the ceilings are timings only
+      skip = {"smoke": {"pallas_top_k_finish", "pallas_unsorted", "ceiling", "ceiling_fp8", "ceiling_mgpu",
+                        "xla_baseline_fp8"}}
+    rows = run_table(args.shapes, Config(**args.config), args.reps, skip, args.mgpu_config)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(rows, f, indent=1)

@@ -1,0 +1,289 @@
+"""The FlashTopK scoring pass on Hopper Mosaic GPU (warpgroup MMA + TMA): per-row counts and max, no selection.
+
+What: for queries q bf16[Tq, H, D] (H heads) against keys k bf16[Tk, D], head weights w f32[Tq, H]
+and a per-row threshold f32[Tq], the DeepSeek-V3.2 lightning-indexer score
+
+  score[t, s] = scale * sum_h w[t, h] * relu(<q[t, h], k[s]>)      (f32; -0 -> +0, NaN -> -inf)
+
+over the causally visible keys s <= t, reduced per row to `n_above` (#score > threshold), `n_tied`
+(#score == threshold) and `max_score` (-inf for a row that sees no key). The arithmetic is the
+Triton main pass's (`flash_topk.py`, `_candidates_kernel`): f32 products, head sum, then `scale`.
+
+Why: a probe of whether the warpgroup MMA beats the Pallas-Triton main pass (about 350 TFLOP/s on
+the H200 with threshold +inf, against a 600-780 matmul ceiling). It scores exactly as that pass but
+appends no candidates (that needs a scatter: a later step).
+
+Layout, "keys as rows": one CTA takes `block_q` queries, whose block_q * H (query, head) rows of q,
+[block_q * H, D], are the MMA's B operand (block_q * H <= 256 columns), loaded once by TMA. Keys
+stream through a TMA ring of `stages` slots of 2 * block_k rows; consumer warpgroup c multiplies
+its half, `acc[block_k, block_q * H] = k[c-th block_k rows] @ q_block^T` (f32, M = block_k). The
+head sum is then a reduction along the accumulator's columns (axis 1), which Mosaic GPU lowers like
+attention's row max: within each thread's registers and its quad, no shared memory (the kernel
+reserves no reduction scratch, so a cross-warp reduction would fail to lower). Per query j the
+static column slice `acc[:, j*H:(j+1)*H]` gets ReLU, the weights (a column vector broadcast along
+rows) and the sum: one score per key row, in the WGMMA row layout. Each thread keeps its rows'
+running counts and max per query across the key tiles; at the end the partials,
+[2 consumers, block_q, block_k] per CTA (1.5 KiB per query at block_k 64, a tenth of q's row),
+go to global memory through shared memory and XLA sums them, instead of a cross-warp reduction
+here (whose shared scratch the two consumers would share).
+
+Pipeline and causality: a third warpgroup issues the TMA loads (q once, then the key ring, with
+per-slot "loaded" and "freed" barriers; it also waits out the last "freed" phases, which interpret
+mode requires). A CTA stops after the last step holding a key visible to its last query (later
+tiles are never loaded or multiplied), and the steps wholly before its first query's edge skip the
+mask, as in the Triton kernel. CTAs run in reverse query order, so the longest rows start first.
+The last step may hold a consumer half wholly past the causal edge: computed and masked (at most
+half a step per CTA). Both consumers take each step's tiles as they land, so their MMAs issue
+together; `pingpong` instead makes them alternate through a barrier (FlashAttention-3's schedule,
+as `attention_mgpu`), so one's epilogue runs under the other's MMA. Which is faster is for the GPU.
+
+Limits: bf16 q and k; block_q * H <= 256 (H padded to 8); block_k 64 or 128; shared memory
+(`smem_bytes`) within 227 KiB; q_offset 0, compress_ratio 1, no segments, one batch row. The
+wrapper pads D to a multiple of 64 (the 128-byte swizzle; zeros add nothing), H to a multiple of 8
+(zero weight), the queries to block_q (threshold +inf, sliced off) and the keys to 2 * block_k
+(masked). Off the GPU it runs in Mosaic GPU's interpret mode (warpgroups as threads, TMA and
+barriers simulated), which is how tests/test_flash_topk_mgpu.py checks it on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_CONSUMERS = 2  # MMA warpgroups; the third issues the TMA loads
+_SWIZZLE_COLS = 64  # bf16 elements of a 128-byte swizzled row
+SMEM_LIMIT = 227 * 1024  # the H100/H200's shared memory per CTA (opt-in), as Mosaic GPU checks it
+
+
+def smem_bytes(block_q: int, heads: int, block_k: int, stages: int, dim: int) -> int:
+  """Shared memory of one CTA: q's block, the key ring, the partial outputs and the barriers.
+
+  `heads` and `dim` as padded (multiples of 8 and 64); bf16 operands. Matches Mosaic GPU's own count
+  (e.g. 235584 bytes for block_q 2, block_k 128, 3 stages at H 64, D 128, which it rejects).
+  """
+  operands = 2 * dim * (block_q * heads + stages * _CONSUMERS * block_k)
+  partials = 3 * 4 * _CONSUMERS * block_q * block_k
+  return operands + partials + 8 * (2 + 2 * stages)
+
+
+def _transforms(minor: int, dtype) -> tuple:
+  """Shared-memory tiling and swizzle of a block whose minor axis holds `minor` elements."""
+  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _score_counts_kernel(q_gmem, k_gmem, w_gmem, t_gmem, above_gmem, tied_gmem, max_gmem, *, block_q, heads,
+                         block_k, stages, num_keys, scale, consumer_registers, producer_registers, pingpong):
+  # Inputs: q [Tq_pad * H, D] (a query's H head rows together), k [Tk_pad, D] (a multiple of 2 block_k
+  # rows), w f32 [Tq_pad * H], t f32 [Tq_pad].
+  # Outputs, per query block: above, tied i32 and max f32 [n_blocks, 2, block_q, block_k], one entry per
+  # (consumer, query, key row of the consumer's tile), reduced by the caller.
+  n_blocks = above_gmem.shape[0]
+  cols = block_q * heads
+  step_keys = _CONSUMERS * block_k
+  qb = n_blocks - 1 - lax.axis_index("qb")  # the longest rows first
+  first_q = qb * block_q
+  last_q = first_q + block_q - 1
+  # Steps (of step_keys keys) holding a key visible to the block's last query; the steps before the
+  # first query's edge see every key for every query of the block (no mask there).
+  n_steps = pl.cdiv(jnp.minimum(last_q + 1, num_keys), step_keys)
+  n_unmasked = jnp.minimum(first_q + 1, num_keys) // step_keys
+
+  def body(q_smem, k_smem, above_smem, tied_smem, max_smem, q_bar, k_ready, k_free, schedule):
+    wg = lax.axis_index("wg")
+
+    def take_turns():  # with `pingpong`: the consumers' MMAs alternate, one's epilogue under the other's MMA
+      if pingpong:
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+    @pl.when(wg < _CONSUMERS)
+    def _consumer():
+      plgpu.set_max_registers(consumer_registers, action="increase")
+      # Each query's head weights as a column vector of the accumulator (kept in registers).
+      weights = [plgpu.load(w_gmem.at[pl.ds((first_q + j) * heads, heads)], layout=plgpu.Layout.WGMMA.reduce(0),
+                            optimized=False) for j in range(block_q)]
+      thresholds = [t_gmem[first_q + j] for j in range(block_q)]
+      row = plgpu.Layout.WGMMA.reduce(1)
+      key_iota = plgpu.broadcasted_iota(jnp.int32, (block_k,), 0, layout=row)
+      plgpu.barrier_wait(q_bar)
+
+      def step(i, carry, masked):
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(k_ready.at[slot])
+
+        def mma(acc_ref):
+          plgpu.wgmma(acc_ref, k_smem.at[slot, pl.ds(pl.multiple_of(wg * block_k, block_k), block_k)],
+                      q_smem.transpose((1, 0)))
+          take_turns()
+          return acc_ref[...]
+
+        acc = pl.run_scoped(mma, plgpu.ACC((block_k, cols), jnp.float32))  # [block_k, block_q * H]
+        plgpu.barrier_arrive(k_free.at[slot])
+        k_pos = i * step_keys + wg * block_k + key_iota
+        out = []
+        for j in range(block_q):
+          above, tied, best = carry[j]
+          dots = acc[:, j * heads:(j + 1) * heads]  # query j's heads: [block_k, H]
+          weighted = jnp.maximum(dots, 0.0) * lax.broadcast_in_dim(weights[j], dots.shape, [1])
+          score = weighted.sum(axis=1) * scale  # [block_k], the row layout: a reduction within quads
+          score = jnp.where(score == 0.0, 0.0, score)  # -0 joins the zero plateau's tie class
+          score = jnp.where(jnp.isnan(score), -jnp.inf, score)  # NaN ranks lowest, as in the reference
+          is_above, is_tied = score > thresholds[j], score == thresholds[j]
+          if masked:
+            visible = (k_pos <= first_q + j) & (k_pos < num_keys)
+            is_above, is_tied = is_above & visible, is_tied & visible
+            score = jnp.where(visible, score, -jnp.inf)
+          out.append((above + is_above.astype(jnp.int32), tied + is_tied.astype(jnp.int32),
+                      jnp.maximum(best, score)))
+        return tuple(out)
+
+      zeros = plgpu.layout_cast(jnp.zeros((block_k,), jnp.int32), row)
+      init = tuple((zeros, zeros, plgpu.layout_cast(jnp.full((block_k,), -jnp.inf, jnp.float32), row))
+                   for _ in range(block_q))
+      pl.when(wg == 1)(take_turns)  # consumer 1 starts a turn behind (as attention_mgpu's schedule barrier)
+      carry = lax.fori_loop(0, n_unmasked, functools.partial(step, masked=False), init)
+      carry = lax.fori_loop(n_unmasked, n_steps, functools.partial(step, masked=True), carry)
+      pl.when(wg == 0)(take_turns)  # ... and consumer 0 ends one behind: both wait out every phase
+      for j, (above, tied, best) in enumerate(carry):
+        above_smem[wg, j] = above
+        tied_smem[wg, j] = tied
+        max_smem[wg, j] = best
+      plgpu.commit_smem()
+      for smem, gmem in ((above_smem, above_gmem), (tied_smem, tied_gmem), (max_smem, max_gmem)):
+        plgpu.copy_smem_to_gmem(smem.at[wg], gmem.at[qb, wg])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == _CONSUMERS)
+    def _producer():
+      plgpu.set_max_registers(producer_registers, action="decrease")
+      plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first_q * heads, cols)], q_smem, q_bar)
+
+      @pl.loop(0, n_steps)
+      def _(i):
+        slot = lax.rem(i, stages)
+
+        @pl.when(i >= stages)
+        def _():
+          plgpu.barrier_wait(k_free.at[slot])
+
+        plgpu.copy_gmem_to_smem(k_gmem.at[pl.ds(i * step_keys, step_keys)], k_smem.at[slot], k_ready.at[slot])
+
+      # Observe the last steps' "freed" phases too, so no barrier phase is left pending at the end.
+      @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
+      def _(i):
+        plgpu.barrier_wait(k_free.at[lax.rem(i, stages)])
+
+  dim = q_gmem.shape[1]
+  dtype = q_gmem.dtype
+  pl.run_scoped(
+      body,
+      plgpu.SMEM((cols, dim), dtype, transforms=_transforms(dim, dtype)),
+      plgpu.SMEM((stages, step_keys, dim), dtype, transforms=_transforms(dim, dtype)),
+      plgpu.SMEM((_CONSUMERS, block_q, block_k), jnp.int32),
+      plgpu.SMEM((_CONSUMERS, block_q, block_k), jnp.int32),
+      plgpu.SMEM((_CONSUMERS, block_q, block_k), jnp.float32),
+      plgpu.Barrier(),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=_CONSUMERS),
+      collective_axes="wg",
+  )
+
+
+def _pad_axis(x, axis: int, multiple: int, value=0):
+  extra = -x.shape[axis] % multiple
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def score_counts_mgpu(q, k, weights, threshold, *, scale: float, block_q: int = 4, block_k: int = 64,
+                      stages: int = 3, consumer_registers: int = 232, producer_registers: int = 40,
+                      pingpong: bool = False, interpret=None):
+  """Per query row: how many visible keys score above and at its threshold, and its best score.
+
+  Args:
+    q: bf16[Tq, H, D] queries at positions 0..Tq-1.
+    k: bf16[Tk, D] keys at positions 0..Tk-1; query t sees keys s <= t.
+    weights: f32|bf16[Tq, H] head weights (any sign).
+    threshold: f32[Tq] per-row threshold (+-inf allowed).
+    scale: multiplies each head sum.
+    block_q: queries per CTA; block_q * H (H padded to a multiple of 8) must be <= 256, the MMA's N.
+    block_k: keys per consumer warpgroup per step, 64 or 128 (the MMA's M).
+    stages: key steps in flight (>= 2), within shared memory (`smem_bytes`).
+    consumer_registers, producer_registers: the warpgroups' register budgets (setmaxnreg).
+    pingpong: make the two consumers' MMAs alternate through a barrier (FlashAttention-3's
+      schedule), so one's epilogue runs under the other's MMA; off, they issue together.
+    interpret: None to pick (interpret mode off the GPU), False to compile, True to interpret, or a
+      `plgpu.InterpretGPUParams`.
+
+  Returns:
+    (n_above i32[Tq], n_tied i32[Tq], max_score f32[Tq]). Scores accumulate in f32 (products, head
+    sum, then scale, as `index_scores`); max_score is -inf for a row that sees no key, and a
+    row's NaN scores count as -inf.
+
+  Raises:
+    ValueError: shapes, dtypes, block sizes or shared memory outside the above.
+  """
+  if q.ndim != 3 or k.ndim != 2 or q.shape[2] != k.shape[1]:
+    raise ValueError(f"{q.shape=} must be [Tq, H, D] and {k.shape=} [Tk, D], with the same D.")
+  Tq, H, D = q.shape
+  Tk = k.shape[0]
+  if weights.shape != (Tq, H):
+    raise ValueError(f"{weights.shape=} must be {(Tq, H)}, q's [Tq, H].")
+  if threshold.shape != (Tq,):
+    raise ValueError(f"{threshold.shape=} must be {(Tq,)}.")
+  if q.dtype != jnp.bfloat16 or k.dtype != jnp.bfloat16:
+    raise ValueError(f"{q.dtype=} and {k.dtype=} must be bfloat16.")
+  if Tq < 1 or Tk < 1:
+    raise ValueError(f"{Tq=} and {Tk=} must be >= 1.")
+  if block_k not in (64, 128):
+    raise ValueError(f"{block_k=} must be 64 or 128 (the MMA's M per consumer warpgroup).")
+  if stages < 2:
+    raise ValueError(f"{stages=} must be >= 2.")
+  heads = -(-H // 8) * 8
+  if block_q < 1 or block_q * heads > 256:
+    raise ValueError(f"{block_q=} times {heads} heads (H={H} padded to 8) must be 1 to 256 MMA columns.")
+  dim = -(-D // _SWIZZLE_COLS) * _SWIZZLE_COLS
+  if (need := smem_bytes(block_q, heads, block_k, stages, dim)) > SMEM_LIMIT:
+    raise ValueError(f"{stages=} key steps of {_CONSUMERS * block_k} x {dim} beside q's {block_q * heads} x {dim} "
+                     f"need {need} bytes of shared memory, over {SMEM_LIMIT}.")
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  interpret = interpret or None
+  q = _pad_axis(_pad_axis(_pad_axis(q, 2, _SWIZZLE_COLS), 1, 8), 0, block_q)
+  k = _pad_axis(_pad_axis(k, 1, _SWIZZLE_COLS), 0, _CONSUMERS * block_k)
+  weights = _pad_axis(_pad_axis(weights.astype(jnp.float32), 1, 8), 0, block_q)  # padded heads weigh 0
+  threshold = _pad_axis(threshold.astype(jnp.float32), 0, block_q, value=jnp.inf)
+  Tq_pad = q.shape[0]
+  n_blocks = Tq_pad // block_q
+  kernel = functools.partial(
+      _score_counts_kernel, block_q=block_q, heads=heads, block_k=block_k, stages=stages, num_keys=Tk,
+      scale=float(scale), consumer_registers=consumer_registers, producer_registers=producer_registers,
+      pingpong=pingpong)
+  part = (n_blocks, _CONSUMERS, block_q, block_k)
+  above, tied, best = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct(part, jnp.int32), jax.ShapeDtypeStruct(part, jnp.int32),
+                jax.ShapeDtypeStruct(part, jnp.float32)),
+      grid=(n_blocks,),
+      grid_names=("qb",),
+      num_threads=_CONSUMERS + 1,
+      thread_name="wg",
+      # The head sums stay within a thread's quad: no shared-memory scratch for cross-warp reductions.
+      compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
+      interpret=interpret,
+      kernel_name="hyscale_flash_topk_score_counts",
+  )(q.reshape(Tq_pad * heads, dim), k, weights.reshape(-1), threshold)
+  per_row = lambda x, reduce: reduce(x, axis=(1, 3)).reshape(Tq_pad)[:Tq]
+  return per_row(above, jnp.sum), per_row(tied, jnp.sum), per_row(best, jnp.max)

@@ -1,0 +1,135 @@
+"""The Mosaic GPU scoring pass (`pallas_kernels.flash_topk.mgpu_scores`) against a float64 oracle.
+
+On the CPU the kernel runs in Mosaic GPU's interpret mode (warpgroups as threads, TMA and barriers
+simulated); on a Hopper GPU, compiled. Inputs are small integers, so every score is exact in f32
+and the counts and maxima must equal the oracle's exactly. The thresholds hit the interesting
+classes: a score of the row itself (ties), 0 on rows and keys that score 0 everywhere (the ReLU
+plateau, -0 folded to +0), +inf and -inf. An export test lowers the kernel for an abstract H200 on
+the CPU, which runs Mosaic GPU's lowering (layouts, the warpgroup MMA, TMA) and its shared-memory check.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.flash_topk import mgpu_scores
+from pallas_kernels.flash_topk.mgpu_scores import score_counts_mgpu
+from tests.jaxpr_tools import export_for_h200
+
+_SCALE = 0.5
+
+# name -> (Tq, Tk, H, D, block_q, block_k, stages, nan_key, pingpong)
+_CASES = {
+    # 4 queries x 64 heads = 256 MMA columns; steps of 128 keys: unmasked steps, the masked edge, and
+    # key steps past a block's last query (never loaded).
+    "full_width": (256, 256, 64, 64, 4, 64, 3, False, False),
+    # H padded 12 -> 16 and D 40 -> 64; queries past the last key; Tk padded to a step; a NaN key;
+    # the consumers' MMAs taking turns.
+    "ragged": (200, 136, 12, 40, 2, 64, 2, True, True),
+    # 128 keys per consumer, one query per CTA; Tk > Tq, so the later key steps are never loaded.
+    "block_k_128": (96, 384, 16, 64, 1, 128, 2, False, False),
+}
+
+
+def _oracle(q, k, w, threshold, scale):
+  """float64 (n_above, n_tied, max_score) over the visible keys s <= t; NaN scores rank as -inf."""
+  dots = np.einsum("thd,sd->ths", q.astype(np.float64), k.astype(np.float64))
+  score = (np.maximum(dots, 0) * w[:, :, None]).sum(axis=1) * scale
+  score = np.where(np.isnan(score), -np.inf, score)
+  Tq, Tk = score.shape
+  visible = np.arange(Tk)[None, :] <= np.arange(Tq)[:, None]
+  t = threshold[:, None]
+  return (((score > t) & visible).sum(1), ((score == t) & visible).sum(1),
+          np.where(visible, score, -np.inf).max(1), score)
+
+
+def _inputs(Tq, Tk, H, D, nan_key, seed=0):
+  rng = np.random.default_rng(seed)
+  q = rng.integers(-2, 3, (Tq, H, D)).astype(np.float64)
+  k = rng.integers(-2, 3, (Tk, D)).astype(np.float64)
+  w = rng.integers(-2, 3, (Tq, H)).astype(np.float64)
+  q[::9] = 0.0  # rows scoring 0 at every key (some with negative weights: -0 before the fold)
+  k[::7] = 0.0  # keys scoring 0 for every query
+  if nan_key:
+    k[5, 3] = np.nan
+  *_, score = _oracle(q, k, w, np.zeros(Tq), _SCALE)
+  # Per row: 0 (zero rows, and two rows in five: the ReLU plateau as threshold), +inf, -inf, or a visible
+  # key's own score (at least one tie).
+  kind = np.where(np.arange(Tq) % 9 == 0, 0, np.arange(Tq) % 5 % 4)
+  tie_keys = rng.integers(0, np.minimum(np.arange(Tq) + 1, Tk))
+  threshold = np.select([kind == 0, kind == 1, kind == 2], [0.0, np.inf, -np.inf], score[np.arange(Tq), tie_keys])
+  return q, k, w, threshold, kind
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_counts_and_max_match_oracle(case):
+  Tq, Tk, H, D, block_q, block_k, stages, nan_key, pingpong = _CASES[case]
+  q, k, w, threshold, kind = _inputs(Tq, Tk, H, D, nan_key)
+  want_above, want_tied, want_max, _ = _oracle(q, k, w, threshold, _SCALE)
+  fn = jax.jit(lambda *a: score_counts_mgpu(*a, scale=_SCALE, block_q=block_q, block_k=block_k, stages=stages,
+                                            pingpong=pingpong))
+  got = jax.block_until_ready(fn(jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16),
+                                 jnp.asarray(w, jnp.float32), jnp.asarray(threshold, jnp.float32)))
+  above, tied, best = (np.asarray(x) for x in got)
+  assert above.dtype == tied.dtype == np.int32 and best.dtype == np.float32
+  np.testing.assert_array_equal(above, want_above)
+  np.testing.assert_array_equal(tied, want_tied)
+  np.testing.assert_array_equal(best, want_max.astype(np.float32))
+  assert not np.signbit(best[best == 0]).any()  # -0 folded to +0
+  # The cases exercise what they claim: ties, plateau rows tied at every visible key, +-inf rows.
+  visible = np.minimum(np.arange(Tq) + 1, Tk)
+  assert (tied[kind == 3] >= 1).all() and (tied[kind == 3] > 1).any() and (tied[kind == 0] > 1).any()
+  nan_seen = (np.arange(Tq) >= 5) if nan_key else np.zeros(Tq, bool)  # key 5 scores NaN -> -inf
+  zero_rows = np.arange(0, Tq, 9)  # 0 * NaN is NaN: those rows too rank key 5 as -inf
+  np.testing.assert_array_equal(tied[zero_rows], (visible - nan_seen)[zero_rows])
+  assert (above[kind == 1] == 0).all() and (tied[kind == 1] == 0).all()
+  np.testing.assert_array_equal(above[kind == 2], (visible - nan_seen)[kind == 2])
+  np.testing.assert_array_equal(tied[kind == 2], nan_seen[kind == 2])
+
+
+def _export(T, H, D, **config):
+  args = (jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((T, D), jnp.bfloat16),
+          jax.ShapeDtypeStruct((T, H), jnp.float32), jax.ShapeDtypeStruct((T,), jnp.float32))
+  return export_for_h200(lambda q, k, w, t: score_counts_mgpu(q, k, w, t, scale=D**-0.5, **config), *args)
+
+
+@pytest.mark.parametrize("block_q, block_k, stages, pingpong", [(4, 64, 4, False), (4, 64, 4, True), (2, 128, 2, False),
+                                                                (1, 64, 2, True)])
+def test_lowers_for_h200(block_q, block_k, stages, pingpong, fake_hopper):
+  """DeepSeek-V3.2's indexer shape (H 64, D 128) at 16K: Mosaic GPU lowers the kernel (column slices of
+  the accumulator, the quad-local head sum with no reduction scratch, TMA) and its shared memory fits."""
+  exported = _export(16384, 64, 128, block_q=block_q, block_k=block_k, stages=stages, pingpong=pingpong)
+  assert len(re.findall(r"custom_call @mosaic_gpu", exported.mlir_module())) == 1
+  assert [tuple(a.shape) for a in exported.out_avals] == [(16384,)] * 3
+  assert mgpu_scores.smem_bytes(block_q, 64, block_k, stages, 128) <= mgpu_scores.SMEM_LIMIT
+
+
+def test_smem_estimate_is_mosaics(monkeypatch, fake_hopper):
+  """Past the wrapper's check, Mosaic GPU rejects the same config with the same byte count."""
+  with pytest.raises(ValueError, match="stages=3 .* need 235584 bytes"):
+    _export(1024, 64, 128, block_q=2, block_k=128, stages=3)
+  monkeypatch.setattr(mgpu_scores, "SMEM_LIMIT", 1 << 20)
+  with pytest.raises(ValueError, match="smem_bytes=235584 "):
+    _export(1024, 64, 128, block_q=2, block_k=128, stages=3)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(q=jnp.zeros((8, 4, 64), jnp.float32)), "q.dtype"),
+    (dict(k=jnp.zeros((8, 32), jnp.bfloat16)), "k.shape"),
+    (dict(weights=jnp.zeros((8, 3))), "weights.shape"),
+    (dict(threshold=jnp.zeros((9,))), "threshold.shape"),
+    (dict(block_k=32), "block_k"),
+    (dict(stages=1), "stages"),
+    (dict(block_q=5), "block_q"),  # 5 x 64 heads > 256 columns
+])
+def test_validation(change, match):
+  args = dict(q=jnp.zeros((8, 64, 64), jnp.bfloat16), k=jnp.zeros((8, 64), jnp.bfloat16),
+              weights=jnp.zeros((8, 64)), threshold=jnp.zeros((8,)), scale=1.0)
+  if "q" in change and "weights" not in change:
+    args["weights"] = jnp.zeros(change["q"].shape[:2])
+  args.update(change)
+  with pytest.raises(ValueError, match=match):
+    score_counts_mgpu(**args)
