@@ -55,6 +55,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._hopper import smem_transforms
+
 _CONSUMERS = 2  # MMA warpgroups; the third issues the TMA loads
 _SWIZZLE_COLS = 64  # bf16 elements of a 128-byte swizzled row
 SMEM_LIMIT = 227 * 1024  # the H100/H200's shared memory per CTA (opt-in), as Mosaic GPU checks it
@@ -70,11 +72,6 @@ def smem_bytes(block_q: int, heads: int, block_k: int, stages: int, dim: int) ->
   partials = 3 * 4 * _CONSUMERS * block_q * block_k
   return operands + partials + 8 * (2 + 2 * stages)
 
-
-def _transforms(minor: int, dtype) -> tuple:
-  """Shared-memory tiling and swizzle of a block whose minor axis holds `minor` elements."""
-  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _score_counts_kernel(q_gmem, k_gmem, w_gmem, t_gmem, above_gmem, tied_gmem, max_gmem, *, block_q, heads,
@@ -183,8 +180,8 @@ def _score_counts_kernel(q_gmem, k_gmem, w_gmem, t_gmem, above_gmem, tied_gmem, 
   dtype = q_gmem.dtype
   pl.run_scoped(
       body,
-      plgpu.SMEM((cols, dim), dtype, transforms=_transforms(dim, dtype)),
-      plgpu.SMEM((stages, step_keys, dim), dtype, transforms=_transforms(dim, dtype)),
+      plgpu.SMEM((cols, dim), dtype, transforms=smem_transforms(dim, dtype)),
+      plgpu.SMEM((stages, step_keys, dim), dtype, transforms=smem_transforms(dim, dtype)),
       plgpu.SMEM((_CONSUMERS, block_q, block_k), jnp.int32),
       plgpu.SMEM((_CONSUMERS, block_q, block_k), jnp.int32),
       plgpu.SMEM((_CONSUMERS, block_q, block_k), jnp.float32),

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._hopper import smem_transforms
 from pallas_kernels.grouped_matmul.autotune import Config
 
 
@@ -70,11 +71,6 @@ def tile_table(group_sizes: jax.Array, tile_m: int, num_tiles: int, m: int | Non
   hi = jnp.where(used, jnp.minimum(ends[group] - first_row, tile_m), 0)
   return jnp.stack([group, jnp.where(used, first_row, 0), lo, hi]).astype(jnp.int32)
 
-
-def _input_transforms(minor: int, dtype) -> tuple:
-  """Shared-memory tiling and swizzle of a block whose minor axis holds `minor` elements."""
-  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, tile_m: int, tile_n: int):
@@ -147,7 +143,7 @@ def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs
   n_blocks = pl.cdiv(n, block_n)
   k_steps = k // tile_k
   dtype = lhs.dtype
-  transforms = _input_transforms(tile_k, dtype)
+  transforms = smem_transforms(tile_k, dtype)
   if num_sms is None:
     num_sms = jax.devices()[0].core_count
   if config.continuous:
@@ -330,7 +326,7 @@ def _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config: Config, tra
   rows, columns = config.rows, config.columns
   split, stages, k_steps = config.split_rows, config.max_concurrent_steps, k // tile_k
   n_blocks = pl.cdiv(n, columns)
-  transforms = _input_transforms(tile_k, dtype)
+  transforms = smem_transforms(tile_k, dtype)
   rhs_block = (columns, tile_k) if transpose_rhs else (tile_k, columns)
   short_m = 64 if config.short_tiles and tile_m > 64 else None
 
@@ -509,8 +505,8 @@ def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sm
   table = group_table(group_sizes)
   p_blocks, q_blocks = p // tile_p, pl.cdiv(q, block_q)
   dtype = a.dtype
-  a_transforms = _input_transforms(tile_p, dtype)  # a's block is [rows, P]: P is its minor axis
-  b_transforms = _input_transforms(block_q, dtype)
+  a_transforms = smem_transforms(tile_p, dtype)  # a's block is [rows, P]: P is its minor axis
+  b_transforms = smem_transforms(block_q, dtype)
   if num_sms is None:
     num_sms = jax.devices()[0].core_count
   if config.continuous:
@@ -617,8 +613,8 @@ def _continuous_dw_kernel(m, p, q, g, dtype, config: Config):
   stages, split = config.max_concurrent_steps, config.split_rows
   block_p, block_q = (2 * tile_p, tile_q) if split else (tile_p, 2 * tile_q)
   p_blocks, q_blocks = p // block_p, pl.cdiv(q, block_q)
-  a_transforms = _input_transforms(block_p, dtype)
-  b_transforms = _input_transforms(block_q, dtype)
+  a_transforms = smem_transforms(block_p, dtype)
+  b_transforms = smem_transforms(block_q, dtype)
 
   def kernel(table_gmem, a_gmem, b_gmem, out_gmem):
     @functools.partial(

@@ -50,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._hopper import smem_transforms
 from pallas_kernels.sparse_attention import mgpu_forward as fwd
 from pallas_kernels.sparse_attention.sparse_attention import row_delta
 
@@ -253,7 +254,7 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
       fwd._gather_steps(k_gmem.at[b], idx_gmem.at[b, t], k_smem, bars, jnp.asarray(n_steps, jnp.int32),
                         zero_fill=True)
 
-  tile = fwd._transforms(_BLOCK_K, dtype)
+  tile = smem_transforms(_BLOCK_K, dtype)
   pl.run_scoped(
       body,
       plgpu.SMEM((_HEADS, dk), dtype, transforms=fwd._KEY_TRANSFORMS),

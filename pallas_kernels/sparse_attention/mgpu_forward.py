@@ -61,6 +61,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._hopper import smem_transforms
+
 _HEADS = 64  # one warpgroup MMA's M
 _SWIZZLE = 128  # bytes; a 64-column bf16 tile row
 _COLS = 64  # columns per swizzled tile (bf16)
@@ -118,10 +120,6 @@ def _stages_that_fit(Dk: int, itemsize: int, block_k: int) -> int:
   """Gathered [block_k, Dk] tiles that fit in shared memory beside Q [64, Dk] and 8 KiB of the rest."""
   return (_SMEM_BYTES - 8 * 1024 - _HEADS * Dk * itemsize) // (block_k * Dk * itemsize)
 
-
-def _transforms(minor: int, dtype):
-  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 _KEY_TRANSFORMS = (plgpu.TilingTransform((8, _COLS)), plgpu.SwizzleTransform(_SWIZZLE))
@@ -473,7 +471,7 @@ def _forward_kernel(*refs, scale, block_k, num_stages, dv, consumer_registers, p
       body,
       plgpu.SMEM((_HEADS, dk), dtype, transforms=_KEY_TRANSFORMS),
       plgpu.SMEM((num_stages, block_k, dk), dtype, transforms=_KEY_TRANSFORMS),
-      plgpu.SMEM((_HEADS, block_k), dtype, transforms=_transforms(block_k, dtype)),
+      plgpu.SMEM((_HEADS, block_k), dtype, transforms=smem_transforms(block_k, dtype)),
       plgpu.SMEM((_HEADS,), jnp.float32),
       plgpu.SMEM((_HEADS + 4 * num_stages,), jnp.float32),  # lse, then the "mbarrier" mode's barriers
       plgpu.Barrier(),
