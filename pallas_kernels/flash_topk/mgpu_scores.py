@@ -73,7 +73,6 @@ def smem_bytes(block_q: int, heads: int, block_k: int, stages: int, dim: int) ->
   return operands + partials + 8 * (2 + 2 * stages)
 
 
-
 def _score_counts_kernel(q_gmem, k_gmem, w_gmem, t_gmem, above_gmem, tied_gmem, max_gmem, *, block_q, heads,
                          block_k, stages, num_keys, scale, consumer_registers, producer_registers, pingpong):
   # Inputs: q [Tq_pad * H, D] (a query's H head rows together), k [Tk_pad, D] (a multiple of 2 block_k

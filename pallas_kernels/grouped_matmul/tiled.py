@@ -72,7 +72,6 @@ def tile_table(group_sizes: jax.Array, tile_m: int, num_tiles: int, m: int | Non
   return jnp.stack([group, jnp.where(used, first_row, 0), lo, hi]).astype(jnp.int32)
 
 
-
 def _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, tile_m: int, tile_n: int):
   """Copies rows [lo, hi) of the tile at out_smem[smem_row:] to out_gmem[first_row + lo:first_row + hi, col:].
 

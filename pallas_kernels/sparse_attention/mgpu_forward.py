@@ -121,7 +121,6 @@ def _stages_that_fit(Dk: int, itemsize: int, block_k: int) -> int:
   return (_SMEM_BYTES - 8 * 1024 - _HEADS * Dk * itemsize) // (block_k * Dk * itemsize)
 
 
-
 _KEY_TRANSFORMS = (plgpu.TilingTransform((8, _COLS)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
