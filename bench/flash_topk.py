@@ -425,7 +425,7 @@ def main():
   elif args.mode == "select":
     rows = run_select(args.seq, Config(**args.config))
   elif args.mode == "tune":
-    configs = [Config(block_rows=r, block_k=bk, num_warps=nw, num_stages=ns)
+    configs = [Config(block_rows=r, block_k=bk, num_warps=nw, num_stages=ns, keys_as_rows=False)
                for r, bk, nw, ns in [(64, 64, 4, 2), (64, 128, 4, 2), (64, 64, 2, 2), (64, 64, 8, 2),
                                      (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 4, 2),
                                      (64, 256, 4, 2), (64, 128, 8, 3), (128, 128, 8, 2)]]

@@ -52,7 +52,7 @@ class Config:
   Attributes:
     block_rows: matmul rows per program, block_q = block_rows // H queries (at least 1);
       None = the measured default (see `block_q`).
-    block_k: keys per step (a power of two).
+    block_k: keys per step (a power of two); None = the measured default (see `keys_per_step`).
     num_warps, num_stages: Triton launch parameters.
     oversample: expected strict candidates per row, in units of topk (sets the sample stride).
     sample_rank: r, the rank of the sample score used as the threshold (more = less noisy).
@@ -67,11 +67,12 @@ class Config:
     keys_as_rows: the main pass's matmul as keys x heads (`k_tile @ q^T`, [block_k, block_q*H])
       instead of heads x keys. The head sum then runs along the accumulator's columns, inside each
       thread's registers and its quad, instead of across rows (warps, through shared memory). Same
-      products, summed in another order: on integer-valued inputs the same bits.
+      products, summed in another order: on integer-valued inputs the same bits. None = the measured
+      default (see `rows_are_keys`).
   """
 
   block_rows: int | None = None
-  block_k: int = 128
+  block_k: int | None = None
   num_warps: int = 4
   num_stages: int = 2
   oversample: float = 2.0
@@ -81,7 +82,7 @@ class Config:
   chunk_bytes: int = 256 << 20
   rescue_rows: int = 16
   finish: str = "select"
-  keys_as_rows: bool = False
+  keys_as_rows: bool | None = None
 
   def __post_init__(self):
     if self.finish not in ("select", "top_k"):
@@ -99,6 +100,23 @@ class Config:
     """Strict-candidate slots per row for this problem (a power of two)."""
     slots = self.candidates or max(self.min_candidates, next_power_of_two(4 * topk))
     return min(slots, next_power_of_two(num_keys))
+
+  def rows_are_keys(self, num_heads: int) -> bool:
+    """Whether the main pass runs keys x heads (`keys_as_rows`) for `num_heads` heads.
+
+    By default yes for one query per program (16+ heads), where it was measured: H 64 at 16K on the
+    H200, 10.3 against 11.8 ms (bench/NOTES.md, 2026-12-05); no for the multi-query programs, whose
+    head sum would need a transpose.
+    """
+    if self.keys_as_rows is None:
+      return self.block_q(num_heads) == 1
+    return self.keys_as_rows
+
+  def keys_per_step(self, num_heads: int) -> int:
+    """block_k for `num_heads` heads: by default 64 keys as rows (the H200's best at H 64), else 128."""
+    if self.block_k is None:
+      return 64 if self.rows_are_keys(num_heads) else 128
+    return self.block_k
 
   def block_q(self, num_heads: int) -> int:
     """Queries per program for `num_heads` heads (padded to a power of two).
@@ -250,7 +268,7 @@ def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, to
   heads, dim = next_power_of_two(H), max(16 if q.dtype.itemsize > 1 else 32, next_power_of_two(D))
   if weights is None and heads != H:
     weights = jnp.ones((B, Tq, H), jnp.float32)  # padded heads need weight 0
-  block_q, block_k = config.block_q(H), config.block_k
+  block_q, block_k, keys_as_rows = config.block_q(H), config.keys_per_step(H), config.rows_are_keys(H)
   Tq_pad = -(-Tq // block_q) * block_q
   Tk_pad = -(-Tk // block_k) * block_k
   tie_slots = next_power_of_two(min(topk, Tk))
@@ -267,7 +285,7 @@ def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, to
   ]
   if weights is not None:
     weights = jnp.pad(weights, ((0, 0), (0, Tq_pad - Tq), (0, heads - H)))
-    if config.keys_as_rows:  # a row of weights, one per accumulator column
+    if keys_as_rows:  # a row of weights, one per accumulator column
       operands.append(weights.reshape(B, 1, Tq_pad * heads))
       in_specs.append(pl.BlockSpec((None, 1, block_q * heads), lambda b, i: (b, 0, i)))
     else:
@@ -287,7 +305,7 @@ def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, to
       compress_ratio=compress_ratio, scale=float(scale), slots=slots, tie_slots=tie_slots,
       has_weights=weights is not None, has_key_scale=key_scale is not None,
       has_segments=segment_ids is not None,
-      precise=q.dtype == jnp.float32, keys_as_rows=config.keys_as_rows)
+      precise=q.dtype == jnp.float32, keys_as_rows=keys_as_rows)
   outs = pl.pallas_call(
       kernel,
       out_shape=(
