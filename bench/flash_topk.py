@@ -71,6 +71,7 @@ SHAPES = {
 MGPU_CONFIGS = [dict(block_q=bq, block_k=bk, stages=st, pingpong=pp) for bq, bk, st, pp in [
     (4, 64, 2, False), (4, 64, 3, False), (4, 64, 4, False), (4, 64, 4, True), (4, 128, 2, False),
     (2, 64, 3, False), (2, 64, 5, False), (2, 64, 5, True), (2, 128, 2, False), (1, 128, 3, False)]]
+MGPU_CONFIGS += [dict(block_q=4, block_k=64, stages=st, pingpong=False, emit_mask=True) for st in (2, 3)]  # + the mask
 
 
 def visible_pairs(T, compress_ratio):
@@ -191,15 +192,16 @@ def ceiling_fn(topk, compress_ratio, config):
 
 
 def ceiling_mgpu_fn(mgpu_config):
-  """(q, k, w) -> (n_above, max_score) of the Mosaic GPU scoring pass at threshold +inf (batch row 0;
-  the bench's inputs have one)."""
+  """(q, k, w) -> (n_above, max_score[, mask]) of the Mosaic GPU scoring pass at threshold +inf (batch
+  row 0; the bench's inputs have one); the mask with `emit_mask` in the config."""
   from pallas_kernels.flash_topk.mgpu_scores import score_counts_mgpu  # noqa: PLC0415 - Mosaic GPU only when run
 
   def fn(q, k, w):
     t = jnp.full(q.shape[1:2], jnp.inf, jnp.float32)
     w = jnp.ones(q.shape[1:3], jnp.float32) if w is None else w[0]
-    n_above, _, best = score_counts_mgpu(q[0], k[0], w, t, scale=128**-0.5, interpret=interpret(), **mgpu_config)
-    return n_above, best
+    n_above, _, best, *mask = score_counts_mgpu(q[0], k[0], w, t, scale=128**-0.5, interpret=interpret(),
+                                                **mgpu_config)
+    return n_above, best, *mask
   return fn
 
 

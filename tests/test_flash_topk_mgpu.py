@@ -21,32 +21,38 @@ from tests.jaxpr_tools import export_for_h200
 
 _SCALE = 0.5
 
-# name -> (Tq, Tk, H, D, block_q, block_k, stages, nan_key, pingpong)
+# name -> (Tq, Tk, H, D, block_q, block_k, stages, nan_key, pingpong, q_offset, compress_ratio, emit_mask)
 _CASES = {
     # 4 queries x 64 heads = 256 MMA columns; steps of 128 keys: unmasked steps, the masked edge, and
     # key steps past a block's last query (never loaded).
-    "full_width": (256, 256, 64, 64, 4, 64, 3, False, False),
+    "full_width": (256, 256, 64, 64, 4, 64, 3, False, False, 0, 1, False),
     # H padded 12 -> 16 and D 40 -> 64; queries past the last key; Tk padded to a step; a NaN key;
-    # the consumers' MMAs taking turns.
-    "ragged": (200, 136, 12, 40, 2, 64, 2, True, True),
-    # 128 keys per consumer, one query per CTA; Tk > Tq, so the later key steps are never loaded.
-    "block_k_128": (96, 384, 16, 64, 1, 128, 2, False, False),
+    # the consumers' MMAs taking turns; the candidate mask.
+    "ragged": (200, 136, 12, 40, 2, 64, 2, True, True, 0, 1, True),
+    # 128 keys per consumer, one query per CTA; a query chunk at position 40 (its first rows see whole
+    # unmasked steps); Tk > positions, so the later key steps are never loaded; the mask.
+    "block_k_128": (96, 384, 16, 64, 1, 128, 2, False, False, 40, 1, True),
+    # Compressed keys (2 positions each) seen from position 3 on: every row sees a key.
+    "compressed": (104, 72, 8, 64, 4, 64, 2, True, False, 3, 2, True),
 }
 
 
-def _oracle(q, k, w, threshold, scale):
-  """float64 (n_above, n_tied, max_score) over the visible keys s <= t; NaN scores rank as -inf."""
+def _visible(Tq, Tk, q_offset=0, compress_ratio=1):
+  """bool[Tq, Tk]: row t (position q_offset + t) sees key s when (s+1) * compress_ratio <= position + 1."""
+  return (np.arange(Tk)[None, :] + 1) * compress_ratio <= np.arange(Tq)[:, None] + q_offset + 1
+
+
+def _oracle(q, k, w, threshold, scale, visible):
+  """float64 (n_above, n_tied, max_score, score) over the visible keys; NaN scores rank as -inf."""
   dots = np.einsum("thd,sd->ths", q.astype(np.float64), k.astype(np.float64))
   score = (np.maximum(dots, 0) * w[:, :, None]).sum(axis=1) * scale
   score = np.where(np.isnan(score), -np.inf, score)
-  Tq, Tk = score.shape
-  visible = np.arange(Tk)[None, :] <= np.arange(Tq)[:, None]
   t = threshold[:, None]
   return (((score > t) & visible).sum(1), ((score == t) & visible).sum(1),
           np.where(visible, score, -np.inf).max(1), score)
 
 
-def _inputs(Tq, Tk, H, D, nan_key, seed=0):
+def _inputs(Tq, Tk, H, D, nan_key, visible, seed=0):
   rng = np.random.default_rng(seed)
   q = rng.integers(-2, 3, (Tq, H, D)).astype(np.float64)
   k = rng.integers(-2, 3, (Tk, D)).astype(np.float64)
@@ -55,34 +61,42 @@ def _inputs(Tq, Tk, H, D, nan_key, seed=0):
   k[::7] = 0.0  # keys scoring 0 for every query
   if nan_key:
     k[5, 3] = np.nan
-  *_, score = _oracle(q, k, w, np.zeros(Tq), _SCALE)
+  *_, score = _oracle(q, k, w, np.zeros(Tq), _SCALE, visible)
   # Per row: 0 (zero rows, and two rows in five: the ReLU plateau as threshold), +inf, -inf, or a visible
   # key's own score (at least one tie).
   kind = np.where(np.arange(Tq) % 9 == 0, 0, np.arange(Tq) % 5 % 4)
-  tie_keys = rng.integers(0, np.minimum(np.arange(Tq) + 1, Tk))
+  tie_keys = rng.integers(0, visible.sum(1))
   threshold = np.select([kind == 0, kind == 1, kind == 2], [0.0, np.inf, -np.inf], score[np.arange(Tq), tie_keys])
   return q, k, w, threshold, kind
 
 
 @pytest.mark.parametrize("case", list(_CASES))
 def test_counts_and_max_match_oracle(case):
-  Tq, Tk, H, D, block_q, block_k, stages, nan_key, pingpong = _CASES[case]
-  q, k, w, threshold, kind = _inputs(Tq, Tk, H, D, nan_key)
-  want_above, want_tied, want_max, _ = _oracle(q, k, w, threshold, _SCALE)
-  fn = jax.jit(lambda *a: score_counts_mgpu(*a, scale=_SCALE, block_q=block_q, block_k=block_k, stages=stages,
-                                            pingpong=pingpong))
+  Tq, Tk, H, D, block_q, block_k, stages, nan_key, pingpong, q_offset, compress_ratio, emit_mask = _CASES[case]
+  seen = _visible(Tq, Tk, q_offset, compress_ratio)
+  q, k, w, threshold, kind = _inputs(Tq, Tk, H, D, nan_key, seen)
+  want_above, want_tied, want_max, score = _oracle(q, k, w, threshold, _SCALE, seen)
+  fn = jax.jit(lambda *a, q_offset: score_counts_mgpu(*a, scale=_SCALE, q_offset=q_offset, block_q=block_q, block_k=block_k, stages=stages,
+                                            pingpong=pingpong, compress_ratio=compress_ratio, emit_mask=emit_mask))
   got = jax.block_until_ready(fn(jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16),
-                                 jnp.asarray(w, jnp.float32), jnp.asarray(threshold, jnp.float32)))
-  above, tied, best = (np.asarray(x) for x in got)
+                                 jnp.asarray(w, jnp.float32), jnp.asarray(threshold, jnp.float32),
+                                 q_offset=jnp.int32(q_offset)))
+  above, tied, best = (np.asarray(x) for x in got[:3])
+  if emit_mask:  # at every visible key: 2 above the threshold, 1 at it, 0 below
+    mask = np.asarray(got[3])
+    assert mask.shape == (Tq, -(-Tk // (2 * block_k)) * 2 * block_k) and mask.dtype == np.int8
+    t = threshold[:, None]
+    want = np.where(score > t, 2, np.where(score == t, 1, 0))
+    np.testing.assert_array_equal(mask[:, :Tk][seen], want[seen])
   assert above.dtype == tied.dtype == np.int32 and best.dtype == np.float32
   np.testing.assert_array_equal(above, want_above)
   np.testing.assert_array_equal(tied, want_tied)
   np.testing.assert_array_equal(best, want_max.astype(np.float32))
   assert not np.signbit(best[best == 0]).any()  # -0 folded to +0
   # The cases exercise what they claim: ties, plateau rows tied at every visible key, +-inf rows.
-  visible = np.minimum(np.arange(Tq) + 1, Tk)
+  visible = seen.sum(1)
   assert (tied[kind == 3] >= 1).all() and (tied[kind == 3] > 1).any() and (tied[kind == 0] > 1).any()
-  nan_seen = (np.arange(Tq) >= 5) if nan_key else np.zeros(Tq, bool)  # key 5 scores NaN -> -inf
+  nan_seen = seen[:, 5] if nan_key else np.zeros(Tq, bool)  # key 5 scores NaN -> -inf
   zero_rows = np.arange(0, Tq, 9)  # 0 * NaN is NaN: those rows too rank key 5 as -inf
   np.testing.assert_array_equal(tied[zero_rows], (visible - nan_seen)[zero_rows])
   assert (above[kind == 1] == 0).all() and (tied[kind == 1] == 0).all()
@@ -96,15 +110,19 @@ def _export(T, H, D, **config):
   return export_for_h200(lambda q, k, w, t: score_counts_mgpu(q, k, w, t, scale=D**-0.5, **config), *args)
 
 
-@pytest.mark.parametrize("block_q, block_k, stages, pingpong", [(4, 64, 4, False), (4, 64, 4, True), (2, 128, 2, False),
-                                                                (1, 64, 2, True)])
-def test_lowers_for_h200(block_q, block_k, stages, pingpong, fake_hopper):
+@pytest.mark.parametrize("block_q, block_k, stages, pingpong, emit_mask", [
+    (4, 64, 4, False, False), (4, 64, 4, True, False), (2, 128, 2, False, False), (1, 64, 2, True, False),
+    (4, 64, 2, False, True)])
+def test_lowers_for_h200(block_q, block_k, stages, pingpong, emit_mask, fake_hopper):
   """DeepSeek-V3.2's indexer shape (H 64, D 128) at 16K: Mosaic GPU lowers the kernel (column slices of
-  the accumulator, the quad-local head sum with no reduction scratch, TMA) and its shared memory fits."""
-  exported = _export(16384, 64, 128, block_q=block_q, block_k=block_k, stages=stages, pingpong=pingpong)
+  the accumulator, the quad-local head sum with no reduction scratch, TMA, the mask's tile stores) and
+  its shared memory fits."""
+  T = 16384
+  exported = _export(T, 64, 128, block_q=block_q, block_k=block_k, stages=stages, pingpong=pingpong,
+                     emit_mask=emit_mask)
   assert len(re.findall(r"custom_call @mosaic_gpu", exported.mlir_module())) == 1
-  assert [tuple(a.shape) for a in exported.out_avals] == [(16384,)] * 3
-  assert mgpu_scores.smem_bytes(block_q, 64, block_k, stages, 128) <= mgpu_scores.SMEM_LIMIT
+  assert [tuple(a.shape) for a in exported.out_avals] == [(T,)] * 3 + [(T, T)] * emit_mask
+  assert mgpu_scores.smem_bytes(block_q, 64, block_k, stages, 128, emit_mask) <= mgpu_scores.SMEM_LIMIT
 
 
 def test_smem_estimate_is_mosaics(monkeypatch, fake_hopper):

@@ -62,7 +62,7 @@ _SWIZZLE_COLS = 64  # bf16 elements of a 128-byte swizzled row
 SMEM_LIMIT = 227 * 1024  # the H100/H200's shared memory per CTA (opt-in), as Mosaic GPU checks it
 
 
-def smem_bytes(block_q: int, heads: int, block_k: int, stages: int, dim: int) -> int:
+def smem_bytes(block_q: int, heads: int, block_k: int, stages: int, dim: int, emit_mask: bool = False) -> int:
   """Shared memory of one CTA: q's block, the key ring, the partial outputs and the barriers.
 
   `heads` and `dim` as padded (multiples of 8 and 64); bf16 operands. Matches Mosaic GPU's own count
@@ -70,27 +70,33 @@ def smem_bytes(block_q: int, heads: int, block_k: int, stages: int, dim: int) ->
   """
   operands = 2 * dim * (block_q * heads + stages * _CONSUMERS * block_k)
   partials = 3 * 4 * _CONSUMERS * block_q * block_k
-  return operands + partials + 8 * (2 + 2 * stages)
+  masks = 2 * _CONSUMERS * block_q * block_k if emit_mask else 0  # two int8 tiles a consumer
+  return operands + partials + masks + 8 * (2 + 2 * stages)
 
 
-def _score_counts_kernel(q_gmem, k_gmem, w_gmem, t_gmem, above_gmem, tied_gmem, max_gmem, *, block_q, heads,
-                         block_k, stages, num_keys, scale, consumer_registers, producer_registers, pingpong):
-  # Inputs: q [Tq_pad * H, D] (a query's H head rows together), k [Tk_pad, D] (a multiple of 2 block_k
-  # rows), w f32 [Tq_pad * H], t f32 [Tq_pad].
+def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, above_gmem, tied_gmem, max_gmem,
+                         *mask_gmem, block_q, heads, block_k, stages, num_keys, compress_ratio, scale,
+                         consumer_registers, producer_registers, pingpong):
+  # Inputs: q_offset i32 [1] (row 0's position), q [Tq_pad * H, D] (a query's H head rows together),
+  # k [Tk_pad, D] (a multiple of 2 block_k rows), w f32 [Tq_pad * H], t f32 [Tq_pad].
   # Outputs, per query block: above, tied i32 and max f32 [n_blocks, 2, block_q, block_k], one entry per
-  # (consumer, query, key row of the consumer's tile), reduced by the caller.
+  # (consumer, query, key row of the consumer's tile), reduced by the caller; with a mask, int8
+  # [Tq_pad, Tk_pad]: 2 where a visible key scores above the row's threshold, 1 where it ties, 0 at the
+  # other keys of the steps the block computes (later keys, invisible to the whole block, unwritten).
+  emit_mask = bool(mask_gmem)
   n_blocks = above_gmem.shape[0]
   cols = block_q * heads
   step_keys = _CONSUMERS * block_k
   qb = n_blocks - 1 - lax.axis_index("qb")  # the longest rows first
   first_q = qb * block_q
-  last_q = first_q + block_q - 1
+  first_pos = q_offset_gmem[0] + first_q
+  seen = lambda pos: jnp.clip((pos + 1) // compress_ratio, 0, num_keys)  # keys visible at a position
   # Steps (of step_keys keys) holding a key visible to the block's last query; the steps before the
   # first query's edge see every key for every query of the block (no mask there).
-  n_steps = pl.cdiv(jnp.minimum(last_q + 1, num_keys), step_keys)
-  n_unmasked = jnp.minimum(first_q + 1, num_keys) // step_keys
+  n_steps = pl.cdiv(seen(first_pos + block_q - 1), step_keys)
+  n_unmasked = seen(first_pos) // step_keys
 
-  def body(q_smem, k_smem, above_smem, tied_smem, max_smem, q_bar, k_ready, k_free, schedule):
+  def body(q_smem, k_smem, above_smem, tied_smem, max_smem, q_bar, k_ready, k_free, schedule, *mask_smem):
     wg = lax.axis_index("wg")
 
     def take_turns():  # with `pingpong`: the consumers' MMAs alternate, one's epilogue under the other's MMA
@@ -121,7 +127,11 @@ def _score_counts_kernel(q_gmem, k_gmem, w_gmem, t_gmem, above_gmem, tied_gmem, 
 
         acc = pl.run_scoped(mma, plgpu.ACC((block_k, cols), jnp.float32))  # [block_k, block_q * H]
         plgpu.barrier_arrive(k_free.at[slot])
-        k_pos = i * step_keys + wg * block_k + key_iota
+        key0 = i * step_keys + wg * block_k
+        k_pos = key0 + key_iota
+        if emit_mask:  # the store issued two steps ago read this tile: let it finish
+          tile = lax.rem(i, 2)
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         out = []
         for j in range(block_q):
           above, tied, best = carry[j]
@@ -132,11 +142,17 @@ def _score_counts_kernel(q_gmem, k_gmem, w_gmem, t_gmem, above_gmem, tied_gmem, 
           score = jnp.where(jnp.isnan(score), -jnp.inf, score)  # NaN ranks lowest, as in the reference
           is_above, is_tied = score > thresholds[j], score == thresholds[j]
           if masked:
-            visible = (k_pos <= first_q + j) & (k_pos < num_keys)
+            visible = ((k_pos + 1) * compress_ratio <= first_pos + j + 1) & (k_pos < num_keys)
             is_above, is_tied = is_above & visible, is_tied & visible
             score = jnp.where(visible, score, -jnp.inf)
           out.append((above + is_above.astype(jnp.int32), tied + is_tied.astype(jnp.int32),
                       jnp.maximum(best, score)))
+          if emit_mask:
+            mask_smem[0][wg, tile, j] = (2 * is_above.astype(jnp.int32) + is_tied.astype(jnp.int32)).astype(jnp.int8)
+        if emit_mask:
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(mask_smem[0].at[wg, tile],
+                                  mask_gmem[0].at[pl.ds(first_q, block_q), pl.ds(key0, block_k)])
         return tuple(out)
 
       zeros = plgpu.layout_cast(jnp.zeros((block_k,), jnp.int32), row)
@@ -188,6 +204,7 @@ def _score_counts_kernel(q_gmem, k_gmem, w_gmem, t_gmem, above_gmem, tied_gmem, 
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
       plgpu.Barrier(num_arrivals=_CONSUMERS),
+      *([plgpu.SMEM((_CONSUMERS, 2, block_q, block_k), jnp.int8)] if emit_mask else []),
       collective_axes="wg",
   )
 
@@ -201,30 +218,38 @@ def _pad_axis(x, axis: int, multiple: int, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
-def score_counts_mgpu(q, k, weights, threshold, *, scale: float, block_q: int = 4, block_k: int = 64,
-                      stages: int = 3, consumer_registers: int = 232, producer_registers: int = 40,
-                      pingpong: bool = False, interpret=None):
+def score_counts_mgpu(q, k, weights, threshold, *, scale: float, q_offset=0, compress_ratio: int = 1,
+                      block_q: int = 4, block_k: int = 64, stages: int = 3, consumer_registers: int = 232,
+                      producer_registers: int = 40, pingpong: bool = False, emit_mask: bool = False,
+                      interpret=None):
   """Per query row: how many visible keys score above and at its threshold, and its best score.
 
   Args:
-    q: bf16[Tq, H, D] queries at positions 0..Tq-1.
-    k: bf16[Tk, D] keys at positions 0..Tk-1; query t sees keys s <= t.
+    q: bf16[Tq, H, D] queries at positions q_offset .. q_offset+Tq-1.
+    k: bf16[Tk, D] keys; key s sums positions [s*cr, (s+1)*cr) (cr = compress_ratio), so the query at
+      position p sees keys s with (s+1)*cr <= p+1 (cr 1: s <= p).
     weights: f32|bf16[Tq, H] head weights (any sign).
     threshold: f32[Tq] per-row threshold (+-inf allowed).
     scale: multiplies each head sum.
+    q_offset: i32 scalar (may be traced): the position of q's first row.
+    compress_ratio: positions per key (static, >= 1).
     block_q: queries per CTA; block_q * H (H padded to a multiple of 8) must be <= 256, the MMA's N.
     block_k: keys per consumer warpgroup per step, 64 or 128 (the MMA's M).
     stages: key steps in flight (>= 2), within shared memory (`smem_bytes`).
     consumer_registers, producer_registers: the warpgroups' register budgets (setmaxnreg).
     pingpong: make the two consumers' MMAs alternate through a barrier (FlashAttention-3's
       schedule), so one's epilogue runs under the other's MMA; off, they issue together.
+    emit_mask: also return where each row's candidates are: one int8 per (query, key), written per
+      key tile as it is scored (the filter of the candidate pass, without a scatter).
     interpret: None to pick (interpret mode off the GPU), False to compile, True to interpret, or a
       `plgpu.InterpretGPUParams`.
 
   Returns:
-    (n_above i32[Tq], n_tied i32[Tq], max_score f32[Tq]). Scores accumulate in f32 (products, head
-    sum, then scale, as `index_scores`); max_score is -inf for a row that sees no key, and a
-    row's NaN scores count as -inf.
+    (n_above i32[Tq], n_tied i32[Tq], max_score f32[Tq]), and with `emit_mask` a fourth,
+    int8[Tq, Tk_pad] (Tk padded to 2 * block_k): at each visible key 2 where its score is above the
+    row's threshold, 1 where it equals it, else 0; unspecified at invisible keys. Scores accumulate
+    in f32 (products, head sum, then scale, as `index_scores`); max_score is -inf for a row that sees
+    no key, and a row's NaN scores count as -inf.
 
   Raises:
     ValueError: shapes, dtypes, block sizes or shared memory outside the above.
@@ -245,11 +270,13 @@ def score_counts_mgpu(q, k, weights, threshold, *, scale: float, block_q: int = 
     raise ValueError(f"{block_k=} must be 64 or 128 (the MMA's M per consumer warpgroup).")
   if stages < 2:
     raise ValueError(f"{stages=} must be >= 2.")
+  if compress_ratio < 1:
+    raise ValueError(f"{compress_ratio=} must be >= 1.")
   heads = -(-H // 8) * 8
   if block_q < 1 or block_q * heads > 256:
     raise ValueError(f"{block_q=} times {heads} heads (H={H} padded to 8) must be 1 to 256 MMA columns.")
   dim = -(-D // _SWIZZLE_COLS) * _SWIZZLE_COLS
-  if (need := smem_bytes(block_q, heads, block_k, stages, dim)) > SMEM_LIMIT:
+  if (need := smem_bytes(block_q, heads, block_k, stages, dim, emit_mask)) > SMEM_LIMIT:
     raise ValueError(f"{stages=} key steps of {_CONSUMERS * block_k} x {dim} beside q's {block_q * heads} x {dim} "
                      f"need {need} bytes of shared memory, over {SMEM_LIMIT}.")
   if interpret is None:
@@ -265,13 +292,14 @@ def score_counts_mgpu(q, k, weights, threshold, *, scale: float, block_q: int = 
   n_blocks = Tq_pad // block_q
   kernel = functools.partial(
       _score_counts_kernel, block_q=block_q, heads=heads, block_k=block_k, stages=stages, num_keys=Tk,
-      scale=float(scale), consumer_registers=consumer_registers, producer_registers=producer_registers,
+      compress_ratio=int(compress_ratio), scale=float(scale), consumer_registers=consumer_registers, producer_registers=producer_registers,
       pingpong=pingpong)
   part = (n_blocks, _CONSUMERS, block_q, block_k)
-  above, tied, best = plgpu.kernel(
+  mask_type = [jax.ShapeDtypeStruct((Tq_pad, k.shape[0]), jnp.int8)] if emit_mask else []
+  above, tied, best, *mask = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(part, jnp.int32), jax.ShapeDtypeStruct(part, jnp.int32),
-                jax.ShapeDtypeStruct(part, jnp.float32)),
+                jax.ShapeDtypeStruct(part, jnp.float32), *mask_type),
       grid=(n_blocks,),
       grid_names=("qb",),
       num_threads=_CONSUMERS + 1,
@@ -280,6 +308,7 @@ def score_counts_mgpu(q, k, weights, threshold, *, scale: float, block_q: int = 
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
       interpret=interpret,
       kernel_name="hyscale_flash_topk_score_counts",
-  )(q.reshape(Tq_pad * heads, dim), k, weights.reshape(-1), threshold)
+  )(jnp.asarray(q_offset, jnp.int32).reshape(1), q.reshape(Tq_pad * heads, dim), k, weights.reshape(-1), threshold)
   per_row = lambda x, reduce: reduce(x, axis=(1, 3)).reshape(Tq_pad)[:Tq]
-  return per_row(above, jnp.sum), per_row(tied, jnp.sum), per_row(best, jnp.max)
+  counts = per_row(above, jnp.sum), per_row(tied, jnp.sum), per_row(best, jnp.max)
+  return (*counts, mask[0][:Tq]) if emit_mask else counts
