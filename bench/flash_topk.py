@@ -105,10 +105,11 @@ def temp_bytes(fn, *args):
   return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
 
-def run_check(kinds=("bf16", "fp8")):
+def run_check(kinds=("bf16", "fp8"), config=None):
   """Pallas vs reference vs xla_baseline on the GPU: integer inputs bit-exact; real inputs compared.
 
-  `kinds` picks the bf16 checks, the fp8 ones (`check_fp8`), or both.
+  `kinds` picks the bf16 checks, the fp8 ones (`check_fp8`), or both; `config` the Pallas backend's
+  (e.g. `--config '{"scorer": "mosaic"}'`).
   """
   rows = check_fp8() if "fp8" in kinds else []
   if "bf16" not in kinds:
@@ -120,7 +121,7 @@ def run_check(kinds=("bf16", "fp8")):
     k = jnp.asarray(rng.integers(lo, hi + 1, (2, T // cr, 128)), jnp.bfloat16)
     w = jnp.asarray(rng.integers(-2, 3, (2, T, H)), jnp.float32) if use_w else None
     kw = dict(topk=topk, compress_ratio=cr, scale=0.5)
-    got_i, got_s, stats = jax.jit(functools.partial(flash_topk_pallas_with_stats, **kw))(q, k, w)
+    got_i, got_s, stats = jax.jit(functools.partial(flash_topk_pallas_with_stats, config=config, **kw))(q, k, w)
     ref = ops.flash_topk(q, k, w, backend="reference", **kw)
     base = ops.flash_topk(q, k, w, backend="xla_baseline", **kw)
     row = dict(check="integer", T=T, H=H, topk=topk, compress_ratio=cr,
@@ -130,7 +131,7 @@ def run_check(kinds=("bf16", "fp8")):
     print(row, flush=True)
     rows.append(row)
   q, k, w = inputs(16384, 64, 128, 1, True)
-  got = jax.jit(functools.partial(flash_topk_pallas_with_stats, topk=2048, scale=128**-0.5))(q, k, w)
+  got = jax.jit(functools.partial(flash_topk_pallas_with_stats, topk=2048, scale=128**-0.5, config=config))(q, k, w)
   base = ops.flash_topk(q, k, w, topk=2048, scale=128**-0.5, backend="xla_baseline")
   same_rows = float(jnp.mean(jnp.all(got[0] == base.indices, axis=-1)))
   overlap = float(jnp.mean(jnp.sort(got[0], -1) == jnp.sort(base.indices, -1)))
@@ -340,10 +341,16 @@ def run_table(shapes, config, reps, skip, mgpu_config=None):
     flops = 2 * H * D * visible_pairs(T, cr)
     baseline = lambda q, k, w, k_scale=None: tuple(ops.flash_topk(
         q, k, w, topk=topk, compress_ratio=cr, scale=D**-0.5, k_scale=k_scale, backend="xla_baseline"))
+    mosaic = dataclasses.replace(config, scorer="mosaic", **{f"mosaic_{key}": value for key, value in
+                                                              (mgpu_config or {}).items()
+                                                              if key in ("block_q", "block_k", "stages")})
     variants = {  # name -> (function, its arguments)
         "pallas": (jax.jit(pallas_fn(topk, cr, config)), (q, k, w)),
         "pallas_fp8": (jax.jit(pallas_fn(topk, cr, config)), (q8, k8, w8, k_scale)),
         "pallas_unsorted": (jax.jit(pallas_fn(topk, cr, config, by_score=False)), (q, k, w)),
+        # The main pass scored on Mosaic GPU (mark, list, rescore: pallas_kernels/flash_topk/mosaic_pass.py).
+        "pallas_mosaic": (jax.jit(pallas_fn(topk, cr, mosaic)), (q, k, w)),
+        "pallas_mosaic_unsorted": (jax.jit(pallas_fn(topk, cr, mosaic, by_score=False)), (q, k, w)),
         # The same backend with the previous finish (lax.top_k over the whole candidate buffer).
         "pallas_top_k_finish": (jax.jit(pallas_fn(topk, cr, dataclasses.replace(config, finish="top_k"))),
                                 (q, k, w)),
@@ -369,10 +376,14 @@ def run_table(shapes, config, reps, skip, mgpu_config=None):
       if name.startswith("pallas"):
         stats = out[2]
         row.update(rescued=int(stats["rescued"]), candidates_per_row=float(stats["candidates_per_row"]))
-      if name in ("pallas", "pallas_unsorted", "xla_baseline", "pallas_fp8", "xla_baseline_fp8"):
+      if name in ("pallas", "pallas_unsorted", "pallas_mosaic", "pallas_mosaic_unsorted", "xla_baseline", "pallas_fp8",
+                  "xla_baseline_fp8"):
         selected[name] = jnp.sort(out[0], axis=-1)
       if name == "pallas_unsorted" and "pallas" in selected:  # the same sets as the sorted call
         row["same_sets_as_pallas"] = bool(jnp.array_equal(selected[name], selected["pallas"]))
+      if name.startswith("pallas_mosaic") and "pallas" in selected:  # f32 sums in another order: the
+        # same sets but for keys within a rounding of a row's k-th score
+        row["agreement_with_pallas"] = float(jnp.mean(selected[name] == selected["pallas"]))
       if name == "pallas_top_k_finish" and "pallas" in results:  # the two finishes: bit-identical outputs
         ref = jax.block_until_ready(variants["pallas"][0](q, k, w))
         row["identical_to_pallas"] = bool(jnp.array_equal(out[0], ref[0]) & jnp.array_equal(out[1], ref[1]))
@@ -419,7 +430,7 @@ def main():
     args.mode, args.shapes, args.reps = "table", ["smoke"], 1
   print(jax.devices(), flush=True)
   if args.mode == "check":  # --only bf16 / fp8: one kind of check
-    rows = run_check(tuple(args.only or ("bf16", "fp8")))
+    rows = run_check(tuple(args.only or ("bf16", "fp8")), Config(**args.config))
   elif args.mode == "memory":
     rows = run_memory(args.shapes, Config(**args.config))
   elif args.mode == "breakdown":
@@ -441,13 +452,14 @@ def main():
     mgpu_configs = mgpu_configs or [{**MGPU_CONFIGS[0], **args.mgpu_config}]
     rows = run_tune(args.seq, configs, tuple(args.only or ("ceiling", "pallas")), mgpu_configs)
   else:
-    every = {"pallas", "pallas_unsorted", "pallas_fp8", "pallas_top_k_finish", "ceiling", "ceiling_fp8",
-             "ceiling_mgpu", "xla_baseline", "xla_baseline_fp8", "reference"}
+    every = {"pallas", "pallas_unsorted", "pallas_mosaic", "pallas_mosaic_unsorted", "pallas_fp8",
+             "pallas_top_k_finish", "ceiling", "ceiling_fp8", "ceiling_mgpu", "xla_baseline", "xla_baseline_fp8",
+             "reference"}
     skip = {s: every - set(args.only) for s in args.shapes} if args.only else {}
     if args.smoke and not args.only:  # CI's bench smoke (CI time): the old finish's equality and the unsorted
       # call's sets are tests/test_flash_topk*.py's, and the ceilings are timings only
-      skip = {"smoke": {"pallas_top_k_finish", "pallas_unsorted", "ceiling", "ceiling_fp8", "ceiling_mgpu",
-                        "xla_baseline_fp8"}}
+      skip = {"smoke": {"pallas_top_k_finish", "pallas_unsorted", "pallas_mosaic", "pallas_mosaic_unsorted",
+                        "ceiling", "ceiling_fp8", "ceiling_mgpu", "xla_baseline_fp8"}}
     rows = run_table(args.shapes, Config(**args.config), args.reps, skip, args.mgpu_config)
   if args.out:
     with open(args.out, "w") as f:

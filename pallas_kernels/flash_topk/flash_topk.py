@@ -69,6 +69,12 @@ class Config:
       thread's registers and its quad, instead of across rows (warps, through shared memory). Same
       products, summed in another order: on integer-valued inputs the same bits. None = the measured
       default (see `rows_are_keys`).
+    scorer: who scores the main pass: "triton" (the kernel here, which lists its candidates as it
+      goes) or "mosaic" (Hopper's warpgroup MMA, `mgpu_scores`, which marks them in an int8 mask that
+      `candidates_from_mask` lists and `index_scores_at_prefix` rescores: `mosaic_pass`). "mosaic"
+      takes bf16 inputs without segments; others take the Triton pass.
+    mosaic_block_q, mosaic_block_k, mosaic_stages: the Mosaic pass's queries per CTA, keys per
+      consumer warpgroup and key steps in flight (`score_counts_mgpu`).
   """
 
   block_rows: int | None = None
@@ -83,10 +89,16 @@ class Config:
   rescue_rows: int = 16
   finish: str = "select"
   keys_as_rows: bool | None = None
+  scorer: str = "triton"
+  mosaic_block_q: int = 4
+  mosaic_block_k: int = 64
+  mosaic_stages: int = 2
 
   def __post_init__(self):
     if self.finish not in ("select", "top_k"):
       raise ValueError(f"Config.finish={self.finish!r} must be 'select' or 'top_k'.")
+    if self.scorer not in ("triton", "mosaic"):
+      raise ValueError(f"Config.scorer={self.scorer!r} must be 'triton' or 'mosaic'.")
     for name in ("block_rows", "block_k", "candidates", "min_candidates"):
       value = getattr(self, name)
       if value is not None and (value < 1 or value & (value - 1)):
@@ -130,6 +142,25 @@ class Config:
     return max(1, self.block_rows // heads)
 
 
+def _append(refs, mask, count, values, capacity):
+  """Appends each row's selected entries of a [block_q, block_k] tile, in key order.
+
+  Row r's entries go to slots count[r], count[r]+1, ... of its `capacity` slots in each flat
+  [block_q * capacity] output ref; entries past the capacity are dropped (the caller's counts keep
+  growing, so it can tell).
+  """
+  block_q = mask.shape[0]
+  row = jax.lax.broadcasted_iota(jnp.int32, mask.shape, 0)
+  slot = count[:, None] + jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1
+  keep = mask & (slot < capacity)
+  # Masked-off lanes point past the block: Triton never touches them, and interpret mode (which
+  # scatters every lane, masked ones with their old value) drops out-of-bounds writes instead of
+  # letting them clobber a kept lane's slot.
+  target = jnp.where(keep, row * capacity + slot, block_q * capacity)
+  for ref, value in zip(refs, values):
+    plgpu.store(ref.at[target], value, mask=keep)
+
+
 def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads, block_k, num_keys,
                        compress_ratio, scale, slots, tie_slots, has_weights, has_key_scale, has_segments,
                        precise, keys_as_rows):
@@ -149,22 +180,10 @@ def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads,
   w = w_ref[...].astype(jnp.float32) if has_weights else None
   t = t_ref[...]
   q_seg = q_seg_ref[...] if has_segments else None
-  row = jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
   keys_visible_to_last = jnp.clip((jnp.max(q_pos) + 1) // compress_ratio, 0, num_keys)
   n_tiles = (keys_visible_to_last + block_k - 1) // block_k  # later tiles are all causal-masked
   # Tiles before the first query's causal edge are visible to the whole block: no causal mask there.
   n_unmasked = jnp.clip((jnp.min(q_pos) + 1) // compress_ratio, 0, num_keys) // block_k
-
-  def append(refs, mask, count, values, capacity):
-    # Row r's selected entries of this tile go to slots count[r], count[r]+1, ... in key order.
-    slot = count[:, None] + jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1
-    keep = mask & (slot < capacity)
-    # Masked-off lanes point past the block: Triton never touches them, and interpret mode (which
-    # scatters every lane, masked ones with their old value) drops out-of-bounds writes instead of
-    # letting them clobber a kept lane's slot.
-    target = jnp.where(keep, row * capacity + slot, block_q * capacity)
-    for ref, value in zip(refs, values):
-      plgpu.store(ref.at[target], value, mask=keep)
 
   def step(j, counts, causal_mask):
     n_gt, n_eq, n_vis = counts
@@ -204,11 +223,11 @@ def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads,
     # Most tiles append nothing once the threshold is good: skip the scan and the scatter there.
     @pl.when(jnp.max(n_above) > 0)
     def _():
-      append((cand_idx_ref, cand_score_ref), above, n_gt, (k_pos_tile, score), slots)
+      _append((cand_idx_ref, cand_score_ref), above, n_gt, (k_pos_tile, score), slots)
 
     @pl.when(jnp.max(jnp.where(n_eq < tie_slots, n_tied, 0)) > 0)
     def _():
-      append((tie_idx_ref,), tied, n_eq, (k_pos_tile,), tie_slots)
+      _append((tie_idx_ref,), tied, n_eq, (k_pos_tile,), tie_slots)
 
     return n_gt + n_above, n_eq + n_tied, n_vis
 
@@ -325,3 +344,85 @@ def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, to
   cand_idx, cand_score, tie_idx, n_gt, n_eq, n_vis = (o[:, : Tq * o.shape[1] // Tq_pad] for o in outs)
   return Candidates(cand_idx.reshape(B, Tq, slots), cand_score.reshape(B, Tq, slots),
                     tie_idx.reshape(B, Tq, tie_slots), n_gt, n_eq, n_vis)
+
+
+def _mask_candidates_kernel(q_offset_ref, mask_ref, cand_idx_ref, tie_idx_ref, n_gt_ref, n_eq_ref, *, block_q,
+                            block_k, num_keys, compress_ratio, slots, tie_slots):
+  # Inputs: q_offset [1], mask int8 [block_q, Tk_pad] (2 above, 1 tied, else 0 at visible keys; anything
+  # at invisible ones). Outputs: candidate indices [block_q*slots], tie indices [block_q*tie_slots],
+  # n_gt and n_eq [block_q].
+  q_pos = q_offset_ref[0] + pl.program_id(0) * block_q + jax.lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+  n_tiles = (jnp.clip((jnp.max(q_pos) + 1) // compress_ratio, 0, num_keys) + block_k - 1) // block_k
+
+  def step(j, counts):
+    n_gt, n_eq = counts
+    k_pos = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+    visible = ((k_pos[None, :] + 1) * compress_ratio <= q_pos[:, None] + 1) & (k_pos < num_keys)[None, :]
+    tile = mask_ref[:, pl.ds(j * block_k, block_k)].astype(jnp.int32)
+    above, tied = (tile == 2) & visible, (tile == 1) & visible
+    n_above, n_tied = above.astype(jnp.int32).sum(axis=1), tied.astype(jnp.int32).sum(axis=1)
+    k_pos_tile = jnp.broadcast_to(k_pos[None, :], (block_q, block_k))
+
+    @pl.when(jnp.max(n_above) > 0)
+    def _():
+      _append((cand_idx_ref,), above, n_gt, (k_pos_tile,), slots)
+
+    @pl.when(jnp.max(jnp.where(n_eq < tie_slots, n_tied, 0)) > 0)
+    def _():
+      _append((tie_idx_ref,), tied, n_eq, (k_pos_tile,), tie_slots)
+
+    return n_gt + n_above, n_eq + n_tied
+
+  zeros = jnp.zeros((block_q,), jnp.int32)
+  n_gt, n_eq = jax.lax.fori_loop(0, n_tiles, step, (zeros, zeros))
+  n_gt_ref[...] = n_gt
+  n_eq_ref[...] = n_eq
+
+
+def candidates_from_mask(mask, q_offset, *, num_keys: int, compress_ratio: int, slots: int, tie_slots: int,
+                         block_q: int = 16, block_k: int = 128, num_warps: int = 4, interpret: bool = False):
+  """The candidate buffers of a mask: each row's keys marked above, then tied, in key order.
+
+  The compaction step of the Mosaic GPU main pass (`mgpu_scores.score_counts_mgpu(emit_mask=True)`
+  marks, the kernel here lists): one program per `block_q` rows walks the row's visible keys in
+  [block_q, block_k] int8 tiles, so it reads each visible mask byte once and never a key past the
+  rows' causal edge (the scoring pass leaves those unwritten).
+
+  Args:
+    mask: int8[Tq, Tk_pad] with Tk_pad a multiple of block_k: at each visible key 2 (above the
+      row's threshold), 1 (tied) or 0; ignored at invisible keys.
+    q_offset: i32 scalar (may be traced): the position of row 0.
+    num_keys: Tk, the keys that exist (the rest of each row is padding).
+    compress_ratio: row t sees key s when (s+1) * compress_ratio <= q_offset + t + 1.
+    slots, tie_slots: buffer widths (powers of two).
+    block_q, block_k: rows per program and keys per step (powers of two).
+    num_warps: Triton warps per program.
+    interpret: Pallas interpret mode (CPU).
+
+  Returns:
+    (indices i32[Tq, slots], tie_indices i32[Tq, tie_slots], n_above i32[Tq], n_tied i32[Tq]): the
+    first `slots` keys marked 2 and the first `tie_slots` marked 1, and how many there are; entries
+    past a row's count are unspecified.
+  """
+  Tq, Tk_pad = mask.shape
+  if mask.dtype != jnp.int8 or Tk_pad % block_k or Tk_pad < num_keys:
+    raise ValueError(f"mask {mask.dtype}{list(mask.shape)} must be int8 [Tq, Tk_pad], Tk_pad >= {num_keys} keys "
+                     f"and a multiple of {block_k=}.")
+  Tq_pad = -(-Tq // block_q) * block_q
+  if Tq_pad != Tq:  # a short chunk only: a copy of its mask rows
+    mask = jnp.pad(mask, ((0, Tq_pad - Tq), (0, 0)))
+  per_row = lambda width: pl.BlockSpec((block_q * width,), lambda i: (i,))
+  idx, tie_idx, n_gt, n_eq = pl.pallas_call(
+      functools.partial(_mask_candidates_kernel, block_q=block_q, block_k=block_k, num_keys=num_keys,
+                        compress_ratio=compress_ratio, slots=slots, tie_slots=tie_slots),
+      out_shape=(jax.ShapeDtypeStruct((Tq_pad * slots,), jnp.int32),
+                 jax.ShapeDtypeStruct((Tq_pad * tie_slots,), jnp.int32),
+                 *[jax.ShapeDtypeStruct((Tq_pad,), jnp.int32)] * 2),
+      grid=(Tq_pad // block_q,),
+      in_specs=[pl.BlockSpec((1,), lambda i: (0,)), pl.BlockSpec((block_q, Tk_pad), lambda i: (i, 0))],
+      out_specs=(per_row(slots), per_row(tie_slots), per_row(1), per_row(1)),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+      interpret=interpret,
+      name="hyscale_flash_topk_mask_candidates",
+  )(jnp.asarray(q_offset, jnp.int32).reshape(1), mask)
+  return (idx.reshape(Tq_pad, slots)[:Tq], tie_idx.reshape(Tq_pad, tie_slots)[:Tq], n_gt[:Tq], n_eq[:Tq])

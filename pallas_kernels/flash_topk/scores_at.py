@@ -51,8 +51,10 @@ def _rows(idx_ref, k_ref, j, block_k):
   return k_ref[safe, :], safe
 
 
-def _forward_kernel(q_ref, k_ref, w_ref, idx_ref, out_ref, *, scale, block_k, precise):
-  # q [heads, D], k [S, D], w [heads] f32, indices [K_pad] -> out [K_pad] f32.
+def _forward_kernel(q_ref, k_ref, w_ref, idx_ref, *refs, scale, block_k, precise):
+  # q [heads, D], k [S, D], w [heads] f32, indices [K_pad], then the row's length [1] when given
+  # -> out [K_pad] f32 (past the length: unwritten).
+  *len_ref, out_ref = refs
   q, w = q_ref[...], w_ref[...]
 
   def step(j, carry):
@@ -61,7 +63,10 @@ def _forward_kernel(q_ref, k_ref, w_ref, idx_ref, out_ref, *, scale, block_k, pr
     out_ref[pl.ds(j * block_k, block_k)] = relu.sum(axis=0) * scale
     return carry
 
-  jax.lax.fori_loop(0, idx_ref.shape[0] // block_k, step, 0)
+  n_steps = idx_ref.shape[0] // block_k
+  if len_ref:
+    n_steps = jnp.minimum(n_steps, (len_ref[0][0] + block_k - 1) // block_k)
+  jax.lax.fori_loop(0, n_steps, step, 0)
 
 
 def _backward_kernel(q_ref, k_ref, w_ref, idx_ref, g_ref, dk_in_ref, dq_ref, dw_ref, dk_ref, *, scale, block_k,
@@ -120,23 +125,27 @@ def _resolve_interpret(interpret):
   return jax.default_backend() != "gpu" if interpret is None else interpret
 
 
-def _forward(q, k, weights, indices, scale, block_k, num_warps, interpret):
+def _forward(q, k, weights, indices, scale, block_k, num_warps, interpret, lengths=None):
   interpret = _resolve_interpret(interpret)
   B, T, _, _ = q.shape
   K = indices.shape[-1]
   qp, kp, wp, ip, block_k = _padded(q, k, weights, indices, block_k, interpret)
   heads, dim = qp.shape[2:]
   token, whole_k = _specs(kp)
+  operands, in_specs = [qp, kp, wp, ip], [token(heads, dim), whole_k, token(heads), token(ip.shape[-1])]
+  if lengths is not None:
+    operands.append(lengths.astype(jnp.int32)[..., None])
+    in_specs.append(token(1))
   out = pl.pallas_call(
       functools.partial(_forward_kernel, scale=float(scale), block_k=block_k, precise=q.dtype == jnp.float32),
       out_shape=jax.ShapeDtypeStruct((B, T, ip.shape[-1]), jnp.float32),
       grid=(B, T),
-      in_specs=[token(heads, dim), whole_k, token(heads), token(ip.shape[-1])],
+      in_specs=in_specs,
       out_specs=token(ip.shape[-1]),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
       interpret=interpret,
       name="hyscale_index_scores_at",
-  )(qp, kp, wp, ip)
+  )(*operands)
   return out[..., :K]
 
 
@@ -205,3 +214,22 @@ def index_scores_at_pallas(q, k, weights, indices, scale, *, block_k: int = 64, 
   if block_k < 1 or block_k & (block_k - 1):
     raise ValueError(f"index_scores_at_pallas: block_k={block_k} must be a power of two.")
   return _scores_at(q, k, weights, indices, float(scale), int(block_k), int(num_warps), interpret)
+
+
+def index_scores_at_prefix(q, k, weights, indices, lengths, scale, *, block_k: int = 64, num_warps: int = 4,
+                           interpret: bool | None = None):
+  """f32[B, T, K]: `index_scores_at_pallas`'s forward at each row's first `lengths[b, t]` entries only.
+
+  For the FlashTopK candidates, whose buffers are wider than most rows' counts: a row costs its
+  length, rounded up to `block_k`, instead of K. Entries past the length are unspecified. No
+  gradient (the selection is not differentiated).
+
+  Args:
+    q, k, weights, indices, scale, block_k, num_warps, interpret: as in `index_scores_at_pallas`.
+    lengths: int[B, T], the entries to score per row (clamped to [0, K]).
+  """
+  if block_k < 1 or block_k & (block_k - 1):
+    raise ValueError(f"index_scores_at_prefix: block_k={block_k} must be a power of two.")
+  if lengths.shape != indices.shape[:-1]:
+    raise ValueError(f"lengths.shape={lengths.shape} must be indices' [B, T] = {indices.shape[:-1]}.")
+  return _forward(q, k, weights, indices, float(scale), int(block_k), int(num_warps), interpret, lengths=lengths)

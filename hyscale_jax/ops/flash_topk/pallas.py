@@ -38,6 +38,7 @@ from hyscale_jax.ops.flash_topk.reference import default_key_chunk, key_factor, 
 from pallas_kernels.flash_topk import (
     Candidates, Config, flash_topk_candidates, from_ordered_bits, next_power_of_two, ordered_bits, select_candidates,
 )
+from pallas_kernels.flash_topk import mosaic_pass
 
 
 def flash_topk_pallas(q, k, weights, *, topk, compress_ratio=1, q_offset=0, segment_ids=None,
@@ -106,8 +107,13 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_r
   # shares with the previous chunk are recomputed identically), so q is never padded or copied.
   # Equal chunks keep that overlap under block_q rows per chunk; the largest chunk under the budget left
   # 3,604 of 131,072 rows (the costliest, last causal rows) to be scored twice.
+  mosaic = config.scorer == "mosaic" and q.dtype == jnp.bfloat16 and q_seg is None and k_scale is None
+  main_pass = mosaic_pass.flash_topk_candidates_mosaic if mosaic else flash_topk_candidates
   block_q = config.block_q(H)
   row_bytes = B * (8 * slots + 4 * next_power_of_two(min(topk, Tk)))
+  if mosaic:  # chunks of whole listing programs, and room for their mask
+    block_q = mosaic_pass.COMPACTION_ROWS
+    row_bytes += B * mosaic_pass.mask_bytes_per_row(Tk, config)
   largest = min(Tq, max(block_q, config.chunk_bytes // row_bytes // block_q * block_q))
   chunk = min(Tq, st.cdiv(st.cdiv(Tq, st.cdiv(Tq, largest)), block_q) * block_q)
   rows = lambda x, start: None if x is None else jax.lax.dynamic_slice_in_dim(x, start, chunk, 1)
@@ -115,11 +121,12 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_r
   def chunk_topk(c, outs):
     start = jnp.minimum(c * chunk, Tq - chunk)
     t_c = rows(threshold, start)
-    candidates = flash_topk_candidates(
-        rows(q, start), k, rows(weights, start), t_c, q_offset=q_offset + start,
-        segment_ids=None if q_seg is None else (rows(q_seg, start), kv_seg), topk=topk,
+    triton_only = {} if mosaic else dict(
+        segment_ids=None if q_seg is None else (rows(q_seg, start), kv_seg), key_scale=key_scale)
+    candidates = main_pass(
+        rows(q, start), k, rows(weights, start), t_c, q_offset=q_offset + start, topk=topk,
         compress_ratio=compress_ratio, scale=scale, slots=slots, config=config, interpret=interpret,
-        key_scale=key_scale)
+        **triton_only)
     found = (*_finish(candidates, t_c, topk, method=config.finish, interpret=interpret, by_score=by_score),
              candidates.n_above)
     return tuple(jax.lax.dynamic_update_slice_in_dim(o, f, start, 1) for o, f in zip(outs, found))

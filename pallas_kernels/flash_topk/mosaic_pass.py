@@ -1,0 +1,69 @@
+"""The FlashTopK main pass with its scoring on Hopper's warpgroup MMA (`Config.scorer="mosaic"`).
+
+Same contract as the Triton pass (`flash_topk_candidates`: per row, the keys above the threshold with
+their scores, the first keys tied at it, and the counts), in three steps per batch row:
+
+1. **Mark** (`mgpu_scores.score_counts_mgpu(emit_mask=True)`, Mosaic GPU): scores every visible key
+   once and writes an int8 per (query, key): 2 above the row's threshold, 1 tied, 0 below. A Mosaic
+   GPU kernel has no scatter to append with, so it writes the mask instead: one byte per score
+   against the four the score itself would take, and at the H200's rates a few percent of the
+   scoring time.
+2. **List** (`candidates_from_mask`, Triton): reads each row's visible mask bytes once and appends
+   the marked keys in key order, as the Triton pass does while it scores.
+3. **Rescore** (`index_scores_at_prefix`, Triton): the scores of the listed keys, each row only as
+   far as its count. The finish ranks the candidates by these.
+
+Scores are f32 in both kernels (products, head sum, scale), summed in different orders, so a key
+whose two scores straddle the threshold by a rounding may be marked on one side and ranked by the
+other: the same class of difference as between any two f32 scorers. On integer-valued inputs every
+order gives the same bits and the result is exactly the Triton pass's (tests/test_flash_topk_pallas.py).
+
+Memory: the mask of a query chunk, [chunk, Tk] int8, beside the candidate buffers; `_select` sizes
+the chunks for both (`Config.chunk_bytes`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.flash_topk.flash_topk import Candidates, Config, candidates_from_mask, next_power_of_two
+from pallas_kernels.flash_topk.mgpu_scores import score_counts_mgpu
+from pallas_kernels.flash_topk.scores_at import index_scores_at_prefix
+
+COMPACTION_ROWS = 16  # rows per program of the listing step; query chunks are a multiple of it
+
+
+def mask_bytes_per_row(num_keys: int, config: Config) -> int:
+  """The mask's bytes per query row (keys padded to the Mosaic pass's step)."""
+  step = 2 * config.mosaic_block_k
+  return -(-num_keys // step) * step
+
+
+def flash_topk_candidates_mosaic(q, k, weights, threshold, *, q_offset, topk, compress_ratio, scale, slots,
+                                 config: Config, interpret: bool) -> Candidates:
+  """`flash_topk_candidates` for bf16 q [B, Tq, H, D] and k [B, Tk, D] without segments or key scales.
+
+  Args and returns as `flash_topk_candidates` (weights None means all ones).
+  """
+  B, Tq, H, _ = q.shape
+  Tk = k.shape[1]
+  tie_slots = next_power_of_two(min(topk, Tk))
+  if weights is None:
+    weights = jnp.ones((B, Tq, H), jnp.float32)
+  rows = []
+  for b in range(B):  # Mosaic's kernel takes one batch row; long-context batches hold one or a few
+    *_, mask = score_counts_mgpu(q[b], k[b], weights[b], threshold[b], scale=scale, q_offset=q_offset,
+                                 compress_ratio=compress_ratio, block_q=config.mosaic_block_q,
+                                 block_k=config.mosaic_block_k, stages=config.mosaic_stages, emit_mask=True,
+                                 interpret=interpret)
+    idx, tie_idx, n_gt, n_eq = candidates_from_mask(mask, q_offset, num_keys=Tk, compress_ratio=compress_ratio,
+                                                    slots=slots, tie_slots=tie_slots, block_q=COMPACTION_ROWS,
+                                                    interpret=interpret)
+    scores = index_scores_at_prefix(q[b][None], k[b][None], weights[b][None], idx[None],
+                                    jnp.minimum(n_gt, slots)[None], scale, interpret=interpret)[0]
+    rows.append((idx, scores, tie_idx, n_gt, n_eq))
+  idx, scores, tie_idx, n_gt, n_eq = (jnp.stack(x) for x in zip(*rows))
+  positions = jnp.asarray(q_offset, jnp.int32) + jnp.arange(Tq, dtype=jnp.int32)
+  n_vis = jnp.broadcast_to(jnp.clip((positions + 1) // compress_ratio, 0, Tk), (B, Tq))
+  return Candidates(idx, scores, tie_idx, n_gt, n_eq, n_vis)

@@ -1,0 +1,115 @@
+"""FlashTopK's main pass with Mosaic GPU scoring (`Config.scorer="mosaic"`, `pallas_kernels.flash_topk.mosaic_pass`).
+
+Its three steps against oracles: the listing of a candidate mask (`candidates_from_mask`) against
+NumPy, the rescoring of a row's prefix (`index_scores_at_prefix`) against the full rescoring, and the
+whole op on integer-valued inputs against the float64 oracle and the Triton pass, bit for bit. On the
+CPU the Mosaic kernel runs in Mosaic GPU's interpret mode and the Triton ones in Pallas's.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hyscale_jax.ops.flash_topk.pallas import flash_topk_pallas_with_stats
+from pallas_kernels.flash_topk import Config, index_scores_at_pallas
+from pallas_kernels.flash_topk.flash_topk import candidates_from_mask
+from pallas_kernels.flash_topk.scores_at import index_scores_at_prefix
+from tests.oracles import topk_oracle
+
+
+def _list_oracle(mask, visible, slots, tie_slots):
+  """Per row: the first `slots` visible keys marked 2, the first `tie_slots` marked 1, and both counts."""
+  rows = []
+  for m, v in zip(mask, visible):
+    above, tied = np.flatnonzero((m == 2) & v), np.flatnonzero((m == 1) & v)
+    rows.append((above[:slots], tied[:tie_slots], len(above), len(tied)))
+  return rows
+
+
+@pytest.mark.parametrize("Tq, Tk, q_offset, compress_ratio, slots", [
+    (40, 250, 7, 1, 8),  # rows past 16 per program (padded), a short last key tile, overflowing buffers
+    (16, 128, 100, 2, 64),  # compressed keys, an offset chunk: buffers wide enough
+])
+def test_candidates_from_mask_lists_the_marked_visible_keys(Tq, Tk, q_offset, compress_ratio, slots):
+  rng = np.random.default_rng(Tq)
+  Tk_pad = -(-Tk // 128) * 128
+  mask = rng.choice(np.array([0, 1, 2], np.int8), size=(Tq, Tk_pad), p=[0.6, 0.15, 0.25])
+  visible = (np.arange(Tk_pad)[None, :] + 1) * compress_ratio <= np.arange(Tq)[:, None] + q_offset + 1
+  visible &= np.arange(Tk_pad)[None, :] < Tk
+  tie_slots = 16
+  fn = jax.jit(functools.partial(candidates_from_mask, num_keys=Tk, compress_ratio=compress_ratio, slots=slots,
+                                 tie_slots=tie_slots, interpret=True))
+  idx, tie_idx, n_gt, n_eq = (np.asarray(x) for x in fn(jnp.asarray(mask), jnp.int32(q_offset)))
+  assert idx.shape == (Tq, slots) and tie_idx.shape == (Tq, tie_slots)
+  for t, (above, tied, n_above, n_tied) in enumerate(_list_oracle(mask, visible, slots, tie_slots)):
+    assert (n_gt[t], n_eq[t]) == (n_above, n_tied), t
+    np.testing.assert_array_equal(idx[t, :len(above)], above, err_msg=f"row {t}")
+    np.testing.assert_array_equal(tie_idx[t, :len(tied)], tied, err_msg=f"row {t}")
+  assert (n_gt > slots).any() == (slots == 8)  # the first case overflows: its counts keep growing
+
+
+def test_candidates_from_mask_rejects_a_bad_mask():
+  with pytest.raises(ValueError, match="must be int8"):
+    candidates_from_mask(jnp.zeros((4, 128), jnp.int32), 0, num_keys=100, compress_ratio=1, slots=8, tie_slots=8)
+  with pytest.raises(ValueError, match="multiple of block_k=128"):
+    candidates_from_mask(jnp.zeros((4, 100), jnp.int8), 0, num_keys=100, compress_ratio=1, slots=8, tie_slots=8)
+
+
+def test_index_scores_at_prefix_is_the_full_rescoring_up_to_each_length():
+  rng = np.random.default_rng(3)
+  B, T, H, D, S, K = 1, 6, 16, 16, 50, 40
+  q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((B, S, D)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((B, T, H)), jnp.float32)
+  idx = jnp.asarray(rng.integers(0, S, (B, T, K)), jnp.int32)
+  lengths = jnp.asarray([[0, 1, 16, 17, 40, 33]], jnp.int32)
+  full = np.asarray(index_scores_at_pallas(q, k, w, idx, 0.25, block_k=16, interpret=True))
+  part = np.asarray(index_scores_at_prefix(q, k, w, idx, lengths, 0.25, block_k=16, interpret=True))
+  for t, n in enumerate(np.asarray(lengths[0])):
+    np.testing.assert_array_equal(part[0, t, :n], full[0, t, :n])
+  with pytest.raises(ValueError, match="lengths.shape"):
+    index_scores_at_prefix(q, k, w, idx, lengths[0], 0.25)
+
+
+# The threshold path at a small shape: slots (16) < Tk, a sampled threshold two levels deep.
+_MOSAIC = Config(block_rows=16, block_k=8, candidates=16, min_candidates=16, sample_rank=2, scorer="mosaic",
+                 mosaic_block_q=2)
+
+
+@functools.partial(jax.jit, static_argnames=("topk", "compress_ratio", "config"))
+def _run(q, k, w, q_offset, *, topk, compress_ratio, config):
+  return flash_topk_pallas_with_stats(q, k, w, topk=topk, compress_ratio=compress_ratio, q_offset=q_offset,
+                                      scale=0.5, config=config, interpret=True)
+
+
+@pytest.mark.parametrize("q_offset, compress_ratio", [(0, 1), (21, 2)])
+def test_mosaic_scorer_matches_the_oracle_and_the_triton_pass(q_offset, compress_ratio):
+  """Integer inputs in {-1, 0, 1} (ties everywhere, rows and keys on the ReLU plateau, negative weights),
+  two batch rows, rows shorter than k near the start: the same bits as the float64 oracle and as the
+  Triton scorer, and the same stats."""
+  rng = np.random.default_rng(5 + q_offset)
+  B, T, H, D, topk = 2, 48, 8, 32, 6
+  q = rng.integers(-1, 2, (B, T, H, D)).astype(np.float32)
+  k = rng.integers(-1, 2, (B, T, D)).astype(np.float32)
+  w = rng.integers(-2, 3, (B, T, H)).astype(np.float32)
+  q[:, ::7] = 0.0
+  args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16),
+          jnp.int32(q_offset))
+  assert _MOSAIC.candidate_slots(topk, T) == 16 < T
+  got_idx, got_sc, got_stats = _run(*args, topk=topk, compress_ratio=compress_ratio, config=_MOSAIC)
+  tri_idx, tri_sc, tri_stats = _run(*args, topk=topk, compress_ratio=compress_ratio,
+                                    config=Config(**{**_MOSAIC.__dict__, "scorer": "triton"}))
+  want_idx, want_sc = topk_oracle(q.astype(np.float64), k.astype(np.float64), w.astype(np.float64), topk=topk,
+                                  compress_ratio=compress_ratio, q_offset=q_offset, segment_ids=None, scale=0.5)
+  np.testing.assert_array_equal(np.asarray(got_idx), want_idx)
+  np.testing.assert_array_equal(np.asarray(got_sc), want_sc.astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(tri_idx))
+  np.testing.assert_array_equal(np.asarray(got_sc), np.asarray(tri_sc))
+  assert {key: int(v) if key != "candidates_per_row" else float(v) for key, v in got_stats.items()} == \
+         {key: int(v) if key != "candidates_per_row" else float(v) for key, v in tri_stats.items()}
+  assert int(got_stats["rescued"]) < B * T // 2  # the threshold held on most rows
+  winners = want_sc[want_idx >= 0]
+  assert (winners == 0).any() and len(np.unique(winners)) < len(winners)  # ties and the plateau were in play
