@@ -316,6 +316,33 @@ def run_select(T, config, topk=2048):
   return rows
 
 
+def run_rescore(T, count=4000, slots=8192):
+  """The Mosaic pass's rescoring alone (`index_scores_at_prefix`): each row's first min(t+1, count) of
+  `slots` listed keys, in key order as the listing leaves them, by layout x block_k x warps."""
+  from pallas_kernels.flash_topk.scores_at import index_scores_at_prefix  # noqa: PLC0415
+
+  q, k, w = inputs(T, 64, 128, 1, True)
+  rows = jnp.arange(T)[:, None]
+  idx = jnp.sort(jax.random.randint(jax.random.key(1), (T, slots), 0, T) % (rows + 1), axis=-1)[None]
+  lengths = jnp.minimum(jnp.arange(T) + 1, count)[None]
+  flops = 2 * 64 * 128 * float(jnp.sum(lengths))
+  out = []
+  for keys_as_rows, block_k, num_warps in ((False, 64, 4), (True, 64, 4), (True, 64, 8), (True, 128, 8),
+                                           (False, 32, 4), (True, 32, 4)):
+    fn = jax.jit(functools.partial(index_scores_at_prefix, scale=128**-0.5, block_k=block_k, num_warps=num_warps,
+                                   keys_as_rows=keys_as_rows))
+    try:
+      seconds = timed(fn, q, k, w, idx, lengths, reps=5)
+      row = dict(T=T, count=count, keys_as_rows=keys_as_rows, block_k=block_k, num_warps=num_warps,
+                 ms=seconds * 1e3, tflops=flops / seconds / 1e12)
+    except Exception as e:  # a config Triton cannot compile: report it and go on
+      row = dict(T=T, keys_as_rows=keys_as_rows, block_k=block_k, num_warps=num_warps,
+                 error=f"{type(e).__name__}: {str(e)[:200]}")
+    print(row, flush=True)
+    out.append(row)
+  return out
+
+
 def run_memory(shapes, config):
   """Compile-only: the Pallas backend's working memory (XLA temp bytes) at each shape."""
   rows = []
@@ -415,7 +442,8 @@ def run_table(shapes, config, reps, skip, mgpu_config=None):
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("mode", nargs="?", default="table", choices=("check", "tune", "breakdown", "select", "memory", "table"))
+  parser.add_argument("mode", nargs="?", default="table", choices=("check", "tune", "breakdown", "select", "rescore", "memory",
+                                                                     "table"))
   parser.add_argument("--seq", type=int, default=16384)
   parser.add_argument("--shapes", nargs="+", default=["dsa16k", "dsa64k"])
   parser.add_argument("--only", nargs="*", default=None, help="variants to run (default: all)")
@@ -435,6 +463,8 @@ def main():
     rows = run_memory(args.shapes, Config(**args.config))
   elif args.mode == "breakdown":
     rows = run_breakdown(args.seq, Config(**args.config))
+  elif args.mode == "rescore":
+    rows = run_rescore(args.seq)
   elif args.mode == "select":
     rows = run_select(args.seq, Config(**args.config))
   elif args.mode == "tune":

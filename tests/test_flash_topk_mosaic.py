@@ -58,18 +58,22 @@ def test_candidates_from_mask_rejects_a_bad_mask():
     candidates_from_mask(jnp.zeros((4, 100), jnp.int8), 0, num_keys=100, compress_ratio=1, slots=8, tie_slots=8)
 
 
-def test_index_scores_at_prefix_is_the_full_rescoring_up_to_each_length():
+@pytest.mark.parametrize("keys_as_rows", [False, True])
+def test_index_scores_at_prefix_is_the_full_rescoring_up_to_each_length(keys_as_rows):
+  """Integer-valued inputs (every sum exact in f32), so both layouts give the full rescoring's bits."""
   rng = np.random.default_rng(3)
   B, T, H, D, S, K = 1, 6, 16, 16, 50, 40
-  q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.bfloat16)
-  k = jnp.asarray(rng.standard_normal((B, S, D)), jnp.bfloat16)
-  w = jnp.asarray(rng.standard_normal((B, T, H)), jnp.float32)
+  q = jnp.asarray(rng.integers(-2, 3, (B, T, H, D)), jnp.bfloat16)
+  k = jnp.asarray(rng.integers(-2, 3, (B, S, D)), jnp.bfloat16)
+  w = jnp.asarray(rng.integers(-2, 3, (B, T, H)), jnp.float32)
   idx = jnp.asarray(rng.integers(0, S, (B, T, K)), jnp.int32)
   lengths = jnp.asarray([[0, 1, 16, 17, 40, 33]], jnp.int32)
   full = np.asarray(index_scores_at_pallas(q, k, w, idx, 0.25, block_k=16, interpret=True))
-  part = np.asarray(index_scores_at_prefix(q, k, w, idx, lengths, 0.25, block_k=16, interpret=True))
+  part = np.asarray(index_scores_at_prefix(q, k, w, idx, lengths, 0.25, block_k=16, keys_as_rows=keys_as_rows,
+                                           interpret=True))
   for t, n in enumerate(np.asarray(lengths[0])):
     np.testing.assert_array_equal(part[0, t, :n], full[0, t, :n])
+  assert (full != 0).mean() > 0.3
   with pytest.raises(ValueError, match="lengths.shape"):
     index_scores_at_prefix(q, k, w, idx, lengths[0], 0.25)
 

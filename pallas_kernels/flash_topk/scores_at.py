@@ -51,7 +51,7 @@ def _rows(idx_ref, k_ref, j, block_k):
   return k_ref[safe, :], safe
 
 
-def _forward_kernel(q_ref, k_ref, w_ref, idx_ref, *refs, scale, block_k, precise):
+def _forward_kernel(q_ref, k_ref, w_ref, idx_ref, *refs, scale, block_k, precise, keys_as_rows=False):
   # q [heads, D], k [S, D], w [heads] f32, indices [K_pad], then the row's length [1] when given
   # -> out [K_pad] f32 (past the length: unwritten).
   *len_ref, out_ref = refs
@@ -59,8 +59,13 @@ def _forward_kernel(q_ref, k_ref, w_ref, idx_ref, *refs, scale, block_k, precise
 
   def step(j, carry):
     rows, _ = _rows(idx_ref, k_ref, j, block_k)
-    relu = jnp.maximum(_dots(q, rows, precise), 0.0) * w[:, None]
-    out_ref[pl.ds(j * block_k, block_k)] = relu.sum(axis=0) * scale
+    if keys_as_rows:  # [block_k, heads]: the head sum along the accumulator's columns, within threads
+      dots = jax.lax.dot_general(rows, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                 precision=_HIGHEST if precise else None)
+      score = (jnp.maximum(dots, 0.0) * w[None, :]).sum(axis=1)
+    else:
+      score = (jnp.maximum(_dots(q, rows, precise), 0.0) * w[:, None]).sum(axis=0)
+    out_ref[pl.ds(j * block_k, block_k)] = score * scale
     return carry
 
   n_steps = idx_ref.shape[0] // block_k
@@ -125,7 +130,7 @@ def _resolve_interpret(interpret):
   return jax.default_backend() != "gpu" if interpret is None else interpret
 
 
-def _forward(q, k, weights, indices, scale, block_k, num_warps, interpret, lengths=None):
+def _forward(q, k, weights, indices, scale, block_k, num_warps, interpret, lengths=None, keys_as_rows=False):
   interpret = _resolve_interpret(interpret)
   B, T, _, _ = q.shape
   K = indices.shape[-1]
@@ -137,7 +142,8 @@ def _forward(q, k, weights, indices, scale, block_k, num_warps, interpret, lengt
     operands.append(lengths.astype(jnp.int32)[..., None])
     in_specs.append(token(1))
   out = pl.pallas_call(
-      functools.partial(_forward_kernel, scale=float(scale), block_k=block_k, precise=q.dtype == jnp.float32),
+      functools.partial(_forward_kernel, scale=float(scale), block_k=block_k, precise=q.dtype == jnp.float32,
+                        keys_as_rows=keys_as_rows),
       out_shape=jax.ShapeDtypeStruct((B, T, ip.shape[-1]), jnp.float32),
       grid=(B, T),
       in_specs=in_specs,
@@ -217,7 +223,7 @@ def index_scores_at_pallas(q, k, weights, indices, scale, *, block_k: int = 64, 
 
 
 def index_scores_at_prefix(q, k, weights, indices, lengths, scale, *, block_k: int = 64, num_warps: int = 4,
-                           interpret: bool | None = None):
+                           keys_as_rows: bool = False, interpret: bool | None = None):
   """f32[B, T, K]: `index_scores_at_pallas`'s forward at each row's first `lengths[b, t]` entries only.
 
   For the FlashTopK candidates, whose buffers are wider than most rows' counts: a row costs its
@@ -227,9 +233,13 @@ def index_scores_at_prefix(q, k, weights, indices, lengths, scale, *, block_k: i
   Args:
     q, k, weights, indices, scale, block_k, num_warps, interpret: as in `index_scores_at_pallas`.
     lengths: int[B, T], the entries to score per row (clamped to [0, K]).
+    keys_as_rows: multiply [block_k keys, D] by [D, heads] (the head sum within each thread's
+      registers and quad) instead of heads by keys (a sum across warps). Same products, summed in
+      another order.
   """
   if block_k < 1 or block_k & (block_k - 1):
     raise ValueError(f"index_scores_at_prefix: block_k={block_k} must be a power of two.")
   if lengths.shape != indices.shape[:-1]:
     raise ValueError(f"lengths.shape={lengths.shape} must be indices' [B, T] = {indices.shape[:-1]}.")
-  return _forward(q, k, weights, indices, float(scale), int(block_k), int(num_warps), interpret, lengths=lengths)
+  return _forward(q, k, weights, indices, float(scale), int(block_k), int(num_warps), interpret, lengths=lengths,
+                  keys_as_rows=keys_as_rows)
