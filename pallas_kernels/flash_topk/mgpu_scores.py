@@ -1,17 +1,18 @@
-"""The FlashTopK scoring pass on Hopper Mosaic GPU (warpgroup MMA + TMA): per-row counts and max, no selection.
+"""The FlashTopK scoring pass on Hopper Mosaic GPU (warpgroup MMA + TMA): per-row counts and max, and a candidate mask.
 
 What: for queries q bf16[Tq, H, D] (H heads) against keys k bf16[Tk, D], head weights w f32[Tq, H]
 and a per-row threshold f32[Tq], the DeepSeek-V3.2 lightning-indexer score
 
   score[t, s] = scale * sum_h w[t, h] * relu(<q[t, h], k[s]>)      (f32; -0 -> +0, NaN -> -inf)
 
-over the causally visible keys s <= t, reduced per row to `n_above` (#score > threshold), `n_tied`
-(#score == threshold) and `max_score` (-inf for a row that sees no key). The arithmetic is the
-Triton main pass's (`flash_topk.py`, `_candidates_kernel`): f32 products, head sum, then `scale`.
+over the causally visible keys, reduced per row to `n_above` (#score > threshold), `n_tied`
+(#score == threshold) and `max_score` (-inf for a row that sees no key), and with `emit_mask` an int8
+per (query, key) saying which side of the threshold the key is on. The arithmetic is the Triton main
+pass's (`flash_topk.py`, `_candidates_kernel`): f32 products, head sum, then `scale`.
 
-Why: a probe of whether the warpgroup MMA beats the Pallas-Triton main pass (about 350 TFLOP/s on
-the H200 with threshold +inf, against a 600-780 matmul ceiling). It scores exactly as that pass but
-appends no candidates (that needs a scatter: a later step).
+Why: the Pallas-Triton main pass tops out near 430 TFLOP/s on the H200 even with nothing to append;
+this pass scored at 711 TFLOP/s at 16K (bench/NOTES.md, 2026-12-05). A Mosaic GPU kernel has no
+scatter to append candidates with, so it marks them (`mosaic_pass` lists and rescores them).
 
 Layout, "keys as rows": one CTA takes `block_q` queries, whose block_q * H (query, head) rows of q,
 [block_q * H, D], are the MMA's B operand (block_q * H <= 256 columns), loaded once by TMA. Keys
@@ -37,8 +38,11 @@ half a step per CTA). Both consumers take each step's tiles as they land, so the
 together; `pingpong` instead makes them alternate through a barrier (FlashAttention-3's schedule,
 as `attention_mgpu`), so one's epilogue runs under the other's MMA. Which is faster is for the GPU.
 
+The mask: each consumer writes its [block_q, block_k] int8 tile to shared memory per step and TMA-stores
+it, double-buffered (before reusing a tile it waits until at most one store is still reading).
+
 Limits: bf16 q and k; block_q * H <= 256 (H padded to 8); block_k 64 or 128; shared memory
-(`smem_bytes`) within 227 KiB; q_offset 0, compress_ratio 1, no segments, one batch row. The
+(`smem_bytes`) within 227 KiB; no segments, one batch row. The
 wrapper pads D to a multiple of 64 (the 128-byte swizzle; zeros add nothing), H to a multiple of 8
 (zero weight), the queries to block_q (threshold +inf, sliced off) and the keys to 2 * block_k
 (masked). Off the GPU it runs in Mosaic GPU's interpret mode (warpgroups as threads, TMA and
