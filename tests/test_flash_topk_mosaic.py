@@ -117,3 +117,19 @@ def test_mosaic_scorer_matches_the_oracle_and_the_triton_pass(q_offset, compress
   assert int(got_stats["rescued"]) < B * T // 2  # the threshold held on most rows
   winners = want_sc[want_idx >= 0]
   assert (winners == 0).any() and len(np.unique(winners)) < len(winners)  # ties and the plateau were in play
+
+
+def test_mosaic_pass_lowers_for_h200(fake_hopper):
+  """DeepSeek-V3.2's indexer at 16K (H 64, D 128, k 2048) with the Mosaic scorer: the whole op lowers
+  for an H200 on the CPU (the Mosaic kernel, the Triton listing over a 16,384-key mask with int8
+  tiles, the prefix rescoring, the finish), with one Mosaic kernel per main pass."""
+  from tests.jaxpr_tools import export_for_h200
+
+  T, H, D = 16384, 64, 128
+  args = (jax.ShapeDtypeStruct((1, T, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((1, T, D), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, T, H), jnp.float32))
+  fn = lambda q, k, w: flash_topk_pallas_with_stats(q, k, w, topk=2048, scale=D**-0.5, config=Config(scorer="mosaic"),
+                                                    sorted=False)[:2]
+  mlir = export_for_h200(fn, *args).mlir_module()
+  assert mlir.count("custom_call @mosaic_gpu") >= 1
+  assert "hyscale_flash_topk_mask_candidates" in mlir and "hyscale_index_scores_at" in mlir
