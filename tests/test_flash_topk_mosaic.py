@@ -133,3 +133,20 @@ def test_mosaic_pass_lowers_for_h200(fake_hopper):
   mlir = export_for_h200(fn, *args).mlir_module()
   assert mlir.count("custom_call @mosaic_gpu") >= 1
   assert "hyscale_flash_topk_mask_candidates" in mlir and "hyscale_index_scores_at" in mlir
+
+
+def test_scorer_choice(fake_hopper):
+  """"auto" scores on Mosaic only where it was measured faster: compiled, on Hopper, from 128K keys, bf16
+  without segments or key scales; "mosaic" asks for it wherever its inputs allow; a bad name is an error."""
+  auto, mosaic, triton = Config(), Config(scorer="mosaic"), Config(scorer="triton")
+  bf16 = jnp.bfloat16
+  assert auto.scores_on_mosaic(131072, bf16, plain=True, interpret=False)
+  assert not auto.scores_on_mosaic(65536, bf16, plain=True, interpret=False)
+  assert not auto.scores_on_mosaic(131072, bf16, plain=True, interpret=True)
+  assert not auto.scores_on_mosaic(131072, jnp.float8_e4m3fn, plain=True, interpret=False)
+  assert not auto.scores_on_mosaic(131072, bf16, plain=False, interpret=False)
+  assert mosaic.scores_on_mosaic(64, bf16, plain=True, interpret=True)
+  assert not mosaic.scores_on_mosaic(64, jnp.float32, plain=True, interpret=True)
+  assert not triton.scores_on_mosaic(1 << 20, bf16, plain=True, interpret=False)
+  with pytest.raises(ValueError, match="Config.scorer='wgmma'"):
+    Config(scorer="wgmma")

@@ -70,11 +70,18 @@ class Config:
       products, summed in another order: on integer-valued inputs the same bits. None = the measured
       default (see `rows_are_keys`).
     scorer: who scores the main pass: "triton" (the kernel here, which lists its candidates as it
-      goes) or "mosaic" (Hopper's warpgroup MMA, `mgpu_scores`, which marks them in an int8 mask that
-      `candidates_from_mask` lists and `index_scores_at_prefix` rescores: `mosaic_pass`). "mosaic"
-      takes bf16 inputs without segments; others take the Triton pass.
+      goes), "mosaic" (Hopper's warpgroup MMA, `mgpu_scores`, which marks them in an int8 mask that
+      `candidates_from_mask` lists and `index_scores_at_prefix` rescores: `mosaic_pass`), or "auto"
+      (see `scores_on_mosaic`). The Mosaic pass takes bf16 inputs without segments; others take
+      the Triton pass.
     mosaic_block_q, mosaic_block_k, mosaic_stages: the Mosaic pass's queries per CTA, keys per
       consumer warpgroup and key steps in flight (`score_counts_mgpu`).
+    mosaic_chunk_bytes: the Mosaic pass's working memory per query chunk (mask and buffers); larger
+      than `chunk_bytes` because a chunk is one kernel launch, and at 128K keys 256 MiB chunks (1,296
+      rows, 2.5 waves of CTAs on 132 SMs) took 433.9 ms against 337.4 ms with 1 GiB (bench/NOTES.md).
+    mosaic_min_keys: "auto" scores on Mosaic from this many keys on (the H200: 337.4 against 401.4 ms
+      at 128K; 12.8 against 8.7 ms at 16K, where the rescoring of ~3,600 candidates a row costs
+      almost half of the main pass's FLOPs).
   """
 
   block_rows: int | None = None
@@ -89,16 +96,18 @@ class Config:
   rescue_rows: int = 16
   finish: str = "select"
   keys_as_rows: bool | None = None
-  scorer: str = "triton"
+  scorer: str = "auto"
   mosaic_block_q: int = 4
   mosaic_block_k: int = 64
   mosaic_stages: int = 2
+  mosaic_chunk_bytes: int = 1 << 30
+  mosaic_min_keys: int = 131072
 
   def __post_init__(self):
     if self.finish not in ("select", "top_k"):
       raise ValueError(f"Config.finish={self.finish!r} must be 'select' or 'top_k'.")
-    if self.scorer not in ("triton", "mosaic"):
-      raise ValueError(f"Config.scorer={self.scorer!r} must be 'triton' or 'mosaic'.")
+    if self.scorer not in ("auto", "triton", "mosaic"):
+      raise ValueError(f"Config.scorer={self.scorer!r} must be 'auto', 'triton' or 'mosaic'.")
     for name in ("block_rows", "block_k", "candidates", "min_candidates"):
       value = getattr(self, name)
       if value is not None and (value < 1 or value & (value - 1)):
@@ -112,6 +121,22 @@ class Config:
     """Strict-candidate slots per row for this problem (a power of two)."""
     slots = self.candidates or max(self.min_candidates, next_power_of_two(4 * topk))
     return min(slots, next_power_of_two(num_keys))
+
+  def scores_on_mosaic(self, num_keys: int, dtype, plain: bool, interpret: bool) -> bool:
+    """Whether the main pass scores on Mosaic GPU (`mosaic_pass`).
+
+    Args:
+      num_keys: Tk.
+      dtype: q's and k's dtype (the Mosaic pass takes bf16).
+      plain: no segments and no per-key scales (the Mosaic pass takes neither).
+      interpret: whether the kernels run in interpret mode; "auto" then keeps to Triton.
+    """
+    if self.scorer == "triton" or dtype != jnp.bfloat16 or not plain:
+      return False
+    if self.scorer == "mosaic":
+      return True
+    from pallas_kernels._hopper import on_hopper  # noqa: PLC0415 - Mosaic GPU's import only when asked
+    return not interpret and num_keys >= self.mosaic_min_keys and on_hopper()
 
   def rows_are_keys(self, num_heads: int) -> bool:
     """Whether the main pass runs keys x heads (`keys_as_rows`) for `num_heads` heads.

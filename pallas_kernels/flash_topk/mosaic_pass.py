@@ -10,8 +10,9 @@ their scores, the first keys tied at it, and the counts), in three steps per bat
    scoring time.
 2. **List** (`candidates_from_mask`, Triton): reads each row's visible mask bytes once and appends
    the marked keys in key order, as the Triton pass does while it scores.
-3. **Rescore** (`index_scores_at_prefix`, Triton): the scores of the listed keys, each row only as
-   far as its count. The finish ranks the candidates by these.
+3. **Rescore** (`index_scores_at_prefix`, Triton, keys as the matmul's rows): the scores of the
+   listed keys, each row only as far as its count. The finish ranks the candidates by these. On the
+   H200 at 128K (4,000 keys a row): 23.1 ms, 366 TFLOP/s, against 37.8 ms with heads as rows.
 
 Scores are f32 in both kernels (products, head sum, scale), summed in different orders, so a key
 whose two scores straddle the threshold by a rounding may be marked on one side and ranked by the
@@ -19,7 +20,7 @@ other: the same class of difference as between any two f32 scorers. On integer-v
 order gives the same bits and the result is exactly the Triton pass's (tests/test_flash_topk_pallas.py).
 
 Memory: the mask of a query chunk, [chunk, Tk] int8, beside the candidate buffers; `_select` sizes
-the chunks for both (`Config.chunk_bytes`).
+the chunks for both (`Config.mosaic_chunk_bytes`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def flash_topk_candidates_mosaic(q, k, weights, threshold, *, q_offset, topk, co
                                                     slots=slots, tie_slots=tie_slots, block_q=COMPACTION_ROWS,
                                                     interpret=interpret)
     scores = index_scores_at_prefix(q[b][None], k[b][None], weights[b][None], idx[None],
-                                    jnp.minimum(n_gt, slots)[None], scale, interpret=interpret)[0]
+                                    jnp.minimum(n_gt, slots)[None], scale, keys_as_rows=True,
+                                    interpret=interpret)[0]
     rows.append((idx, scores, tie_idx, n_gt, n_eq))
   idx, scores, tie_idx, n_gt, n_eq = (jnp.stack(x) for x in zip(*rows))
   positions = jnp.asarray(q_offset, jnp.int32) + jnp.arange(Tq, dtype=jnp.int32)

@@ -107,14 +107,14 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_r
   # shares with the previous chunk are recomputed identically), so q is never padded or copied.
   # Equal chunks keep that overlap under block_q rows per chunk; the largest chunk under the budget left
   # 3,604 of 131,072 rows (the costliest, last causal rows) to be scored twice.
-  mosaic = config.scorer == "mosaic" and q.dtype == jnp.bfloat16 and q_seg is None and k_scale is None
+  mosaic = config.scores_on_mosaic(Tk, q.dtype, q_seg is None and k_scale is None, interpret)
   main_pass = mosaic_pass.flash_topk_candidates_mosaic if mosaic else flash_topk_candidates
-  block_q = config.block_q(H)
+  block_q, budget = config.block_q(H), config.chunk_bytes
   row_bytes = B * (8 * slots + 4 * next_power_of_two(min(topk, Tk)))
-  if mosaic:  # chunks of whole listing programs, and room for their mask
-    block_q = mosaic_pass.COMPACTION_ROWS
+  if mosaic:  # chunks of whole listing programs, with their mask
+    block_q, budget = mosaic_pass.COMPACTION_ROWS, config.mosaic_chunk_bytes
     row_bytes += B * mosaic_pass.mask_bytes_per_row(Tk, config)
-  largest = min(Tq, max(block_q, config.chunk_bytes // row_bytes // block_q * block_q))
+  largest = min(Tq, max(block_q, budget // row_bytes // block_q * block_q))
   chunk = min(Tq, st.cdiv(st.cdiv(Tq, st.cdiv(Tq, largest)), block_q) * block_q)
   rows = lambda x, start: None if x is None else jax.lax.dynamic_slice_in_dim(x, start, chunk, 1)
 
