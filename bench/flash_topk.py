@@ -9,6 +9,8 @@ Run on the H200 (one call per mode; every figure in a table comes from the same 
   python bench/flash_topk.py table --shapes dsa16k dsa64k --only ceiling ceiling_mgpu --mgpu-config '{"block_q": 2}'
   python bench/flash_topk.py tune --config '{"block_k": 128}'   # the listed configs with these fields
   python bench/flash_topk.py select --seq 16384    # the finish's selection kernel: rows per program x warps
+  python bench/flash_topk.py rescore --seq 131072  # the Mosaic pass's rescoring alone: layouts x blocks x warps
+  python bench/flash_topk.py table --shapes dsa128k --only pallas_unsorted pallas_mosaic_unsorted xla_baseline
   python bench/flash_topk.py table --shapes dsa16k dsa64k glm64k --out flash_topk.json
   python bench/flash_topk.py table --shapes dsa16k --only pallas pallas_fp8 xla_baseline   # bf16 vs fp8
   python bench/flash_topk.py table --shapes dsa16k --only pallas pallas_unsorted   # the winners' sort's cost
@@ -24,13 +26,17 @@ scales (`quantize_fp8(..., power_of_two=True)`, DeepSeek-V3.2's ue8m0), q's scal
 head weights as DeepSeek does, outside the timed call: `pallas_fp8` (fp8 tensor cores in the main
 pass), `ceiling_fp8`, and `xla_baseline_fp8` (the same fp8 score function in XLA, for agreement).
 `ceiling_mgpu` is the Mosaic GPU scoring pass (`pallas_kernels.flash_topk.mgpu_scores`: warpgroup MMA
-+ TMA, counts and max per row, no candidate buffers) at threshold +inf, on the same inputs as
-`ceiling`: both score every visible pair and select nothing. Its blocks come from `--mgpu-config`
++ TMA, counts and max per row, and the candidate mask with `emit_mask`) at threshold +inf, on the
+same inputs as `ceiling`: both score every visible pair and select nothing. Its blocks come from `--mgpu-config`
 (`block_q`, `block_k`, `stages`, `pingpong`, register budgets); `tune` runs a list of them (`MGPU_CONFIGS`,
 narrowed by `--mgpu-config`'s fields) beside the Triton configs. Compress ratio 1 only.
 `fp8_overlap_with_bf16` is the mean fraction of a row's selected keys that the bf16 selection shares
 (quantization moves the boundary: about 98% is what others report). `pallas_unsorted` is the call
 the DSA layers make (`flash_topk(..., sorted=False)`: the same sets, no sort of the winners).
+`pallas` and `pallas_unsorted` run `--config` as given (`scorer="auto"`: Triton below 128K keys, the
+Mosaic pass from there on Hopper); `pallas_mosaic[_unsorted]` force the Mosaic pass
+(`pallas_kernels/flash_topk/mosaic_pass.py`, blocks from `--mgpu-config`) and report
+`agreement_with_pallas`, the fraction of sorted slots equal to `pallas`'s.
 """
 
 import argparse
