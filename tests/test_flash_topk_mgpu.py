@@ -32,8 +32,8 @@ _CASES = {
     # 128 keys per consumer, one query per CTA; a query chunk at position 40 (its first rows see whole
     # unmasked steps); Tk > positions, so the later key steps are never loaded; the mask.
     "block_k_128": (96, 384, 16, 64, 1, 128, 2, False, False, 40, 1, True),
-    # Compressed keys (2 positions each) seen from position 3 on: every row sees a key.
-    "compressed": (104, 72, 8, 64, 4, 64, 2, True, False, 3, 2, True),
+    # Compressed keys (2 positions each): position 0 sees none (its counts 0, its max -inf).
+    "compressed": (104, 72, 8, 64, 4, 64, 2, True, False, 0, 2, True),
 }
 
 
@@ -65,7 +65,8 @@ def _inputs(Tq, Tk, H, D, nan_key, visible, seed=0):
   # Per row: 0 (zero rows, and two rows in five: the ReLU plateau as threshold), +inf, -inf, or a visible
   # key's own score (at least one tie).
   kind = np.where(np.arange(Tq) % 9 == 0, 0, np.arange(Tq) % 5 % 4)
-  tie_keys = rng.integers(0, visible.sum(1))
+  kind = np.where((kind == 3) & ~visible.any(1), 2, kind)  # no key to tie with: threshold -inf
+  tie_keys = rng.integers(0, np.maximum(visible.sum(1), 1))
   threshold = np.select([kind == 0, kind == 1, kind == 2], [0.0, np.inf, -np.inf], score[np.arange(Tq), tie_keys])
   return q, k, w, threshold, kind
 

@@ -6,6 +6,7 @@ whole op on integer-valued inputs against the float64 oracle and the Triton pass
 CPU the Mosaic kernel runs in Mosaic GPU's interpret mode and the Triton ones in Pallas's.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -89,40 +90,56 @@ def _run(q, k, w, q_offset, *, topk, compress_ratio, config):
                                       scale=0.5, config=config, interpret=True)
 
 
-@pytest.mark.parametrize("q_offset, compress_ratio", [(0, 1), (21, 2)])
-def test_mosaic_scorer_matches_the_oracle_and_the_triton_pass(q_offset, compress_ratio):
+def _bits(x):
+  return np.asarray(x).view(np.uint32)  # -0 and +0 differ
+
+
+@pytest.mark.parametrize("T, q_offset, compress_ratio, chunk_bytes", [
+    (48, 0, 1, 1 << 30),
+    (48, 21, 2, 1 << 30),
+    # Three query chunks of 16 rows (the last shifted back to end at T) and rows that see no key.
+    (40, 0, 2, 16 * 576),
+])
+def test_mosaic_scorer_matches_the_oracle_and_the_triton_pass(T, q_offset, compress_ratio, chunk_bytes):
   """Integer inputs in {-1, 0, 1} (ties everywhere, rows and keys on the ReLU plateau, negative weights),
   two batch rows, rows shorter than k near the start: the same bits as the float64 oracle and as the
   Triton scorer, and the same stats."""
-  rng = np.random.default_rng(5 + q_offset)
-  B, T, H, D, topk = 2, 48, 8, 32, 6
+  rng = np.random.default_rng(5 + q_offset + T)
+  B, H, D, topk = 2, 8, 32, 6
   q = rng.integers(-1, 2, (B, T, H, D)).astype(np.float32)
   k = rng.integers(-1, 2, (B, T, D)).astype(np.float32)
   w = rng.integers(-2, 3, (B, T, H)).astype(np.float32)
   q[:, ::7] = 0.0
+  w[:, 3::11] = -np.abs(w[:, 3::11]) - 1  # rows whose plateau keys sum to -0 before the fold
   args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16),
           jnp.int32(q_offset))
-  assert _MOSAIC.candidate_slots(topk, T) == 16 < T
-  got_idx, got_sc, got_stats = _run(*args, topk=topk, compress_ratio=compress_ratio, config=_MOSAIC)
+  config = dataclasses.replace(_MOSAIC, mosaic_chunk_bytes=chunk_bytes)
+  assert config.candidate_slots(topk, T) == 16 < T
+  jaxpr = str(jax.make_jaxpr(functools.partial(_run, topk=topk, compress_ratio=compress_ratio, config=config))(*args))
+  assert "hyscale_flash_topk_mask_candidates" in jaxpr  # the Mosaic pass ran, not a fallback
+  got_idx, got_sc, got_stats = _run(*args, topk=topk, compress_ratio=compress_ratio, config=config)
   tri_idx, tri_sc, tri_stats = _run(*args, topk=topk, compress_ratio=compress_ratio,
-                                    config=Config(**{**_MOSAIC.__dict__, "scorer": "triton"}))
+                                    config=dataclasses.replace(config, scorer="triton"))
   want_idx, want_sc = topk_oracle(q.astype(np.float64), k.astype(np.float64), w.astype(np.float64), topk=topk,
                                   compress_ratio=compress_ratio, q_offset=q_offset, segment_ids=None, scale=0.5)
   np.testing.assert_array_equal(np.asarray(got_idx), want_idx)
-  np.testing.assert_array_equal(np.asarray(got_sc), want_sc.astype(np.float32))
+  np.testing.assert_array_equal(_bits(got_sc), _bits(want_sc.astype(np.float32) + np.float32(0)))
   np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(tri_idx))
-  np.testing.assert_array_equal(np.asarray(got_sc), np.asarray(tri_sc))
-  assert {key: int(v) if key != "candidates_per_row" else float(v) for key, v in got_stats.items()} == \
-         {key: int(v) if key != "candidates_per_row" else float(v) for key, v in tri_stats.items()}
+  np.testing.assert_array_equal(_bits(got_sc), _bits(tri_sc))
+  as_numbers = lambda stats: {key: float(v) for key, v in stats.items()}
+  assert as_numbers(got_stats) == as_numbers(tri_stats)
   assert int(got_stats["rescued"]) < B * T // 2  # the threshold held on most rows
   winners = want_sc[want_idx >= 0]
   assert (winners == 0).any() and len(np.unique(winners)) < len(winners)  # ties and the plateau were in play
+  if q_offset == 0 and compress_ratio == 2:
+    assert (np.asarray(got_idx)[:, 0] == -1).all()  # position 0 sees no compressed key
 
 
 def test_mosaic_pass_lowers_for_h200(fake_hopper):
   """DeepSeek-V3.2's indexer at 16K (H 64, D 128, k 2048) with the Mosaic scorer: the whole op lowers
   for an H200 on the CPU (the Mosaic kernel, the Triton listing over a 16,384-key mask with int8
-  tiles, the prefix rescoring, the finish), with one Mosaic kernel per main pass."""
+  tiles, the prefix rescoring, the finish), with one Mosaic kernel per main pass: the top level's and
+  the sampled threshold's."""
   from tests.jaxpr_tools import export_for_h200
 
   T, H, D = 16384, 64, 128
@@ -131,7 +148,7 @@ def test_mosaic_pass_lowers_for_h200(fake_hopper):
   fn = lambda q, k, w: flash_topk_pallas_with_stats(q, k, w, topk=2048, scale=D**-0.5, config=Config(scorer="mosaic"),
                                                     sorted=False)[:2]
   mlir = export_for_h200(fn, *args).mlir_module()
-  assert mlir.count("custom_call @mosaic_gpu") >= 1
+  assert mlir.count("custom_call @mosaic_gpu") == 2  # the main pass and the threshold's (its sampled keys)
   assert "hyscale_flash_topk_mask_candidates" in mlir and "hyscale_index_scores_at" in mlir
 
 
@@ -139,14 +156,17 @@ def test_scorer_choice(fake_hopper):
   """"auto" scores on Mosaic only where it was measured faster: compiled, on Hopper, from 128K keys, bf16
   without segments or key scales; "mosaic" asks for it wherever its inputs allow; a bad name is an error."""
   auto, mosaic, triton = Config(), Config(scorer="mosaic"), Config(scorer="triton")
-  bf16 = jnp.bfloat16
-  assert auto.scores_on_mosaic(131072, bf16, plain=True, interpret=False)
-  assert not auto.scores_on_mosaic(65536, bf16, plain=True, interpret=False)
-  assert not auto.scores_on_mosaic(131072, bf16, plain=True, interpret=True)
-  assert not auto.scores_on_mosaic(131072, jnp.float8_e4m3fn, plain=True, interpret=False)
-  assert not auto.scores_on_mosaic(131072, bf16, plain=False, interpret=False)
-  assert mosaic.scores_on_mosaic(64, bf16, plain=True, interpret=True)
-  assert not mosaic.scores_on_mosaic(64, jnp.float32, plain=True, interpret=True)
-  assert not triton.scores_on_mosaic(1 << 20, bf16, plain=True, interpret=False)
+  on = lambda config, num_keys=131072, heads=64, dim=128, dtype=jnp.bfloat16, plain=True, interpret=False: (
+      config.scores_on_mosaic(num_keys, heads, dim, dtype, plain, interpret))
+  assert on(auto) and on(auto, heads=32) and on(auto, heads=4, dim=64)
+  assert not on(auto, num_keys=65536)
+  assert not on(auto, interpret=True)
+  assert not on(auto, dtype=jnp.float8_e4m3fn) and not on(auto, plain=False)
+  # Past the kernel's limits the Triton pass takes it: 4 x 128 heads > 256 MMA columns; D 256 at 64
+  # heads over the shared memory.
+  assert not on(auto, heads=128) and not on(mosaic, heads=128) and not on(auto, dim=256)
+  assert on(mosaic, num_keys=64, interpret=True)
+  assert not on(mosaic, num_keys=64, dtype=jnp.float32, interpret=True)
+  assert not on(triton, num_keys=1 << 20)
   with pytest.raises(ValueError, match="Config.scorer='wgmma'"):
     Config(scorer="wgmma")

@@ -45,6 +45,16 @@ def next_power_of_two(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
+def keys_seen(position, compress_ratio: int, num_keys: int):
+  """How many keys a query at `position` sees: key s is visible iff (s+1) * compress_ratio <= position + 1."""
+  return jnp.clip((position + 1) // compress_ratio, 0, num_keys)
+
+
+def key_visible(key, position, compress_ratio: int, num_keys: int):
+  """Whether the query at `position` sees `key` (broadcasting), keys past `num_keys` never."""
+  return ((key + 1) * compress_ratio <= position + 1) & (key < num_keys)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tuning knobs. The defaults come from the H200 measurements in bench/NOTES.md.
@@ -52,7 +62,7 @@ class Config:
   Attributes:
     block_rows: matmul rows per program, block_q = block_rows // H queries (at least 1);
       None = the measured default (see `block_q`).
-    block_k: keys per step (a power of two); None = the measured default (see `keys_per_step`).
+    block_k: keys per step (a power of two); None = the measured default (see `resolved_block_k`).
     num_warps, num_stages: Triton launch parameters.
     oversample: expected strict candidates per row, in units of topk (sets the sample stride).
     sample_rank: r, the rank of the sample score used as the threshold (more = less noisy).
@@ -68,12 +78,12 @@ class Config:
       instead of heads x keys. The head sum then runs along the accumulator's columns, inside each
       thread's registers and its quad, instead of across rows (warps, through shared memory). Same
       products, summed in another order: on integer-valued inputs the same bits. None = the measured
-      default (see `rows_are_keys`).
+      default (see `resolved_keys_as_rows`).
     scorer: who scores the main pass: "triton" (the kernel here, which lists its candidates as it
       goes), "mosaic" (Hopper's warpgroup MMA, `mgpu_scores`, which marks them in an int8 mask that
       `candidates_from_mask` lists and `index_scores_at_prefix` rescores: `mosaic_pass`), or "auto"
-      (see `scores_on_mosaic`). The Mosaic pass takes bf16 inputs without segments; others take
-      the Triton pass.
+      (see `scores_on_mosaic`). The Mosaic pass takes bf16 inputs without segments or per-key
+      scales (fp8); others take the Triton pass.
     mosaic_block_q, mosaic_block_k, mosaic_stages: the Mosaic pass's queries per CTA, keys per
       consumer warpgroup and key steps in flight (`score_counts_mgpu`).
     mosaic_chunk_bytes: the Mosaic pass's working memory per query chunk (mask and buffers); larger
@@ -122,37 +132,48 @@ class Config:
     slots = self.candidates or max(self.min_candidates, next_power_of_two(4 * topk))
     return min(slots, next_power_of_two(num_keys))
 
-  def scores_on_mosaic(self, num_keys: int, dtype, plain: bool, interpret: bool) -> bool:
+  def scores_on_mosaic(self, num_keys: int, num_heads: int, head_dim: int, dtype,
+                       without_segments_or_key_scales: bool, interpret: bool) -> bool:
     """Whether the main pass scores on Mosaic GPU (`mosaic_pass`).
 
+    "mosaic" takes it wherever the inputs allow (bf16, no segments or per-key scales, heads and head
+    dim within the kernel's MMA columns and shared memory); "auto" only where it was measured faster:
+    compiled, on Hopper, from `mosaic_min_keys` keys.
+
     Args:
-      num_keys: Tk.
-      dtype: q's and k's dtype (the Mosaic pass takes bf16).
-      plain: no segments and no per-key scales (the Mosaic pass takes neither).
-      interpret: whether the kernels run in interpret mode; "auto" then keeps to Triton.
+      num_keys, num_heads, head_dim: Tk, H and D.
+      dtype: q's and k's dtype.
+      without_segments_or_key_scales: the Mosaic pass takes neither.
+      interpret: whether the kernels run in interpret mode.
     """
-    if self.scorer == "triton" or dtype != jnp.bfloat16 or not plain:
+    from pallas_kernels.flash_topk import mgpu_scores  # noqa: PLC0415 - keeps this module free of Mosaic GPU
+
+    if (self.scorer == "triton" or dtype != jnp.bfloat16 or not without_segments_or_key_scales
+        or not mgpu_scores.fits(num_heads, head_dim, block_q=self.mosaic_block_q, block_k=self.mosaic_block_k,
+                                stages=self.mosaic_stages, emit_mask=True)):
       return False
     if self.scorer == "mosaic":
       return True
-    from pallas_kernels._hopper import on_hopper  # noqa: PLC0415 - Mosaic GPU's import only when asked
+    from pallas_kernels._hopper import on_hopper  # noqa: PLC0415
+
     return not interpret and num_keys >= self.mosaic_min_keys and on_hopper()
 
-  def rows_are_keys(self, num_heads: int) -> bool:
-    """Whether the main pass runs keys x heads (`keys_as_rows`) for `num_heads` heads.
+  def resolved_keys_as_rows(self, num_heads: int, dtype) -> bool:
+    """`keys_as_rows` for `num_heads` heads of `dtype`, the default resolved.
 
-    By default yes for one query per program (16+ heads), where it was measured: H 64 at 16K on the
-    H200, 10.3 against 11.8 ms (bench/NOTES.md, 2026-12-05); no for the multi-query programs, whose
-    head sum would need a transpose.
+    By default yes for bf16 and one query per program (16+ heads), where it was measured: H 64 at 16K
+    on the H200, 10.3 against 11.8 ms (bench/NOTES.md, 2026-12-05); no for fp8 and f32 (not timed)
+    and for the multi-query programs, whose head sum would need a transpose.
     """
     if self.keys_as_rows is None:
-      return self.block_q(num_heads) == 1
+      return dtype == jnp.bfloat16 and self.block_q(num_heads) == 1
     return self.keys_as_rows
 
-  def keys_per_step(self, num_heads: int) -> int:
-    """block_k for `num_heads` heads: by default 64 keys as rows (the H200's best at H 64), else 128."""
+  def resolved_block_k(self, num_heads: int, dtype) -> int:
+    """`block_k` for `num_heads` heads of `dtype`: by default 64 keys as rows (the H200's best at
+    H 64), else 128."""
     if self.block_k is None:
-      return 64 if self.rows_are_keys(num_heads) else 128
+      return 64 if self.resolved_keys_as_rows(num_heads, dtype) else 128
     return self.block_k
 
   def block_q(self, num_heads: int) -> int:
@@ -186,6 +207,28 @@ def _append(refs, mask, count, values, capacity):
     plgpu.store(ref.at[target], value, mask=keep)
 
 
+def _append_tile(above, tied, k_pos, counts, cand_refs, cand_values, tie_ref, slots, tie_slots):
+  """One key tile's share of the buffers: the keys above the threshold (with `cand_values` beside their
+  indices) and those tied at it, appended in key order; returns the grown counts (n_above, n_tied).
+
+  above, tied: bool[block_q, block_k]; k_pos: i32[block_k]; counts: i32[block_q] x 2.
+  """
+  n_gt, n_eq = counts
+  n_above, n_tied = above.astype(jnp.int32).sum(axis=1), tied.astype(jnp.int32).sum(axis=1)
+  k_pos_tile = jnp.broadcast_to(k_pos[None, :], above.shape)
+
+  # Most tiles append nothing once the threshold is good: skip the scan and the scatter there.
+  @pl.when(jnp.max(n_above) > 0)
+  def _():
+    _append(cand_refs, above, n_gt, (k_pos_tile, *cand_values), slots)
+
+  @pl.when(jnp.max(jnp.where(n_eq < tie_slots, n_tied, 0)) > 0)
+  def _():
+    _append((tie_ref,), tied, n_eq, (k_pos_tile,), tie_slots)
+
+  return n_gt + n_above, n_eq + n_tied
+
+
 def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads, block_k, num_keys,
                        compress_ratio, scale, slots, tie_slots, has_weights, has_key_scale, has_segments,
                        precise, keys_as_rows):
@@ -205,10 +248,10 @@ def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads,
   w = w_ref[...].astype(jnp.float32) if has_weights else None
   t = t_ref[...]
   q_seg = q_seg_ref[...] if has_segments else None
-  keys_visible_to_last = jnp.clip((jnp.max(q_pos) + 1) // compress_ratio, 0, num_keys)
+  keys_visible_to_last = keys_seen(jnp.max(q_pos), compress_ratio, num_keys)
   n_tiles = (keys_visible_to_last + block_k - 1) // block_k  # later tiles are all causal-masked
   # Tiles before the first query's causal edge are visible to the whole block: no causal mask there.
-  n_unmasked = jnp.clip((jnp.min(q_pos) + 1) // compress_ratio, 0, num_keys) // block_k
+  n_unmasked = keys_seen(jnp.min(q_pos), compress_ratio, num_keys) // block_k
 
   def step(j, counts, causal_mask):
     n_gt, n_eq, n_vis = counts
@@ -236,25 +279,14 @@ def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads,
     if causal_mask or has_segments:
       visible = jnp.full((block_q, block_k), True)
       if causal_mask:
-        visible = (((k_pos[None, :] + 1) * compress_ratio <= q_pos[:, None] + 1)
-                   & (k_pos < num_keys)[None, :])
+        visible = key_visible(k_pos[None, :], q_pos[:, None], compress_ratio, num_keys)
       if has_segments:
         visible &= q_seg[:, None] == kv_seg_ref[pl.ds(j * block_k, block_k)][None, :]
         n_vis = n_vis + visible.astype(jnp.int32).sum(axis=1)
       above, tied = above & visible, tied & visible
-    n_above, n_tied = above.astype(jnp.int32).sum(axis=1), tied.astype(jnp.int32).sum(axis=1)
-    k_pos_tile = jnp.broadcast_to(k_pos[None, :], (block_q, block_k))
-
-    # Most tiles append nothing once the threshold is good: skip the scan and the scatter there.
-    @pl.when(jnp.max(n_above) > 0)
-    def _():
-      _append((cand_idx_ref, cand_score_ref), above, n_gt, (k_pos_tile, score), slots)
-
-    @pl.when(jnp.max(jnp.where(n_eq < tie_slots, n_tied, 0)) > 0)
-    def _():
-      _append((tie_idx_ref,), tied, n_eq, (k_pos_tile,), tie_slots)
-
-    return n_gt + n_above, n_eq + n_tied, n_vis
+    n_gt, n_eq = _append_tile(above, tied, k_pos, (n_gt, n_eq), (cand_idx_ref, cand_score_ref), (score,),
+                              tie_idx_ref, slots, tie_slots)
+    return n_gt, n_eq, n_vis
 
   zeros = jnp.zeros((block_q,), jnp.int32)
   counts = jax.lax.fori_loop(0, n_unmasked, functools.partial(step, causal_mask=False),
@@ -262,7 +294,7 @@ def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads,
   n_gt, n_eq, n_vis = jax.lax.fori_loop(n_unmasked, n_tiles, functools.partial(step, causal_mask=True),
                                         counts)
   if not has_segments:
-    n_vis = jnp.clip((q_pos + 1) // compress_ratio, 0, num_keys)
+    n_vis = keys_seen(q_pos, compress_ratio, num_keys)
   n_gt_ref[...] = n_gt
   n_eq_ref[...] = n_eq
   n_vis_ref[...] = n_vis
@@ -312,7 +344,8 @@ def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, to
   heads, dim = next_power_of_two(H), max(16 if q.dtype.itemsize > 1 else 32, next_power_of_two(D))
   if weights is None and heads != H:
     weights = jnp.ones((B, Tq, H), jnp.float32)  # padded heads need weight 0
-  block_q, block_k, keys_as_rows = config.block_q(H), config.keys_per_step(H), config.rows_are_keys(H)
+  block_q = config.block_q(H)
+  block_k, keys_as_rows = config.resolved_block_k(H, q.dtype), config.resolved_keys_as_rows(H, q.dtype)
   Tq_pad = -(-Tq // block_q) * block_q
   Tk_pad = -(-Tk // block_k) * block_k
   tie_slots = next_power_of_two(min(topk, Tk))
@@ -371,37 +404,25 @@ def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, to
                     tie_idx.reshape(B, Tq, tie_slots), n_gt, n_eq, n_vis)
 
 
-def _mask_candidates_kernel(q_offset_ref, mask_ref, cand_idx_ref, tie_idx_ref, n_gt_ref, n_eq_ref, *, block_q,
-                            block_k, num_keys, compress_ratio, slots, tie_slots):
+def _mask_candidates_kernel(q_offset_ref, mask_ref, cand_idx_ref, tie_idx_ref, n_above_ref, n_tied_ref, *,
+                            block_q, block_k, num_keys, compress_ratio, slots, tie_slots):
   # Inputs: q_offset [1], mask int8 [block_q, Tk_pad] (2 above, 1 tied, else 0 at visible keys; anything
   # at invisible ones). Outputs: candidate indices [block_q*slots], tie indices [block_q*tie_slots],
-  # n_gt and n_eq [block_q].
+  # n_above and n_tied [block_q].
   q_pos = q_offset_ref[0] + pl.program_id(0) * block_q + jax.lax.broadcasted_iota(jnp.int32, (block_q,), 0)
-  n_tiles = (jnp.clip((jnp.max(q_pos) + 1) // compress_ratio, 0, num_keys) + block_k - 1) // block_k
+  n_tiles = (keys_seen(jnp.max(q_pos), compress_ratio, num_keys) + block_k - 1) // block_k
 
   def step(j, counts):
-    n_gt, n_eq = counts
     k_pos = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-    visible = ((k_pos[None, :] + 1) * compress_ratio <= q_pos[:, None] + 1) & (k_pos < num_keys)[None, :]
+    visible = key_visible(k_pos[None, :], q_pos[:, None], compress_ratio, num_keys)
     tile = mask_ref[:, pl.ds(j * block_k, block_k)].astype(jnp.int32)
-    above, tied = (tile == 2) & visible, (tile == 1) & visible
-    n_above, n_tied = above.astype(jnp.int32).sum(axis=1), tied.astype(jnp.int32).sum(axis=1)
-    k_pos_tile = jnp.broadcast_to(k_pos[None, :], (block_q, block_k))
-
-    @pl.when(jnp.max(n_above) > 0)
-    def _():
-      _append((cand_idx_ref,), above, n_gt, (k_pos_tile,), slots)
-
-    @pl.when(jnp.max(jnp.where(n_eq < tie_slots, n_tied, 0)) > 0)
-    def _():
-      _append((tie_idx_ref,), tied, n_eq, (k_pos_tile,), tie_slots)
-
-    return n_gt + n_above, n_eq + n_tied
+    return _append_tile((tile == 2) & visible, (tile == 1) & visible, k_pos, counts, (cand_idx_ref,), (),
+                        tie_idx_ref, slots, tie_slots)
 
   zeros = jnp.zeros((block_q,), jnp.int32)
-  n_gt, n_eq = jax.lax.fori_loop(0, n_tiles, step, (zeros, zeros))
-  n_gt_ref[...] = n_gt
-  n_eq_ref[...] = n_eq
+  n_above, n_tied = jax.lax.fori_loop(0, n_tiles, step, (zeros, zeros))
+  n_above_ref[...] = n_above
+  n_tied_ref[...] = n_tied
 
 
 def candidates_from_mask(mask, q_offset, *, num_keys: int, compress_ratio: int, slots: int, tie_slots: int,
@@ -409,9 +430,10 @@ def candidates_from_mask(mask, q_offset, *, num_keys: int, compress_ratio: int, 
   """The candidate buffers of a mask: each row's keys marked above, then tied, in key order.
 
   The compaction step of the Mosaic GPU main pass (`mgpu_scores.score_counts_mgpu(emit_mask=True)`
-  marks, the kernel here lists): one program per `block_q` rows walks the row's visible keys in
-  [block_q, block_k] int8 tiles, so it reads each visible mask byte once and never a key past the
-  rows' causal edge (the scoring pass leaves those unwritten).
+  marks, the kernel here lists): one program per `block_q` rows walks their keys in [block_q,
+  block_k] int8 tiles up to the block's last row's causal edge, so it reads each visible mask byte
+  once. A byte it reads past a row's own edge (unwritten by the scoring pass, whose CTAs stop at
+  theirs) is masked by that row's visibility, never taken.
 
   Args:
     mask: int8[Tq, Tk_pad] with Tk_pad a multiple of block_k: at each visible key 2 (above the
@@ -437,7 +459,7 @@ def candidates_from_mask(mask, q_offset, *, num_keys: int, compress_ratio: int, 
   if Tq_pad != Tq:  # a short chunk only: a copy of its mask rows
     mask = jnp.pad(mask, ((0, Tq_pad - Tq), (0, 0)))
   per_row = lambda width: pl.BlockSpec((block_q * width,), lambda i: (i,))
-  idx, tie_idx, n_gt, n_eq = pl.pallas_call(
+  idx, tie_idx, n_above, n_tied = pl.pallas_call(
       functools.partial(_mask_candidates_kernel, block_q=block_q, block_k=block_k, num_keys=num_keys,
                         compress_ratio=compress_ratio, slots=slots, tie_slots=tie_slots),
       out_shape=(jax.ShapeDtypeStruct((Tq_pad * slots,), jnp.int32),
@@ -450,4 +472,4 @@ def candidates_from_mask(mask, q_offset, *, num_keys: int, compress_ratio: int, 
       interpret=interpret,
       name="hyscale_flash_topk_mask_candidates",
   )(jnp.asarray(q_offset, jnp.int32).reshape(1), mask)
-  return (idx.reshape(Tq_pad, slots)[:Tq], tie_idx.reshape(Tq_pad, tie_slots)[:Tq], n_gt[:Tq], n_eq[:Tq])
+  return (idx.reshape(Tq_pad, slots)[:Tq], tie_idx.reshape(Tq_pad, tie_slots)[:Tq], n_above[:Tq], n_tied[:Tq])

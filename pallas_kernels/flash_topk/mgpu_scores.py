@@ -60,6 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._hopper import smem_transforms
+from pallas_kernels.flash_topk.flash_topk import key_visible, keys_seen
 
 _CONSUMERS = 2  # MMA warpgroups; the third issues the TMA loads
 _SWIZZLE_COLS = 64  # bf16 elements of a 128-byte swizzled row
@@ -67,7 +68,8 @@ SMEM_LIMIT = 227 * 1024  # the H100/H200's shared memory per CTA (opt-in), as Mo
 
 
 def smem_bytes(block_q: int, heads: int, block_k: int, stages: int, dim: int, emit_mask: bool = False) -> int:
-  """Shared memory of one CTA: q's block, the key ring, the partial outputs and the barriers.
+  """Shared memory of one CTA: q's block, the key ring, the partial outputs, the mask's two tiles per
+  consumer (with `emit_mask`) and the barriers.
 
   `heads` and `dim` as padded (multiples of 8 and 64); bf16 operands. Matches Mosaic GPU's own count
   (e.g. 235584 bytes for block_q 2, block_k 128, 3 stages at H 64, D 128, which it rejects).
@@ -76,6 +78,19 @@ def smem_bytes(block_q: int, heads: int, block_k: int, stages: int, dim: int, em
   partials = 3 * 4 * _CONSUMERS * block_q * block_k
   masks = 2 * _CONSUMERS * block_q * block_k if emit_mask else 0  # two int8 tiles a consumer
   return operands + partials + masks + 8 * (2 + 2 * stages)
+
+
+def padded_num_keys(num_keys: int, block_k: int) -> int:
+  """The keys (and the mask's columns) as the kernel takes them: a multiple of a step, 2 * block_k."""
+  step = _CONSUMERS * block_k
+  return -(-num_keys // step) * step
+
+
+def fits(num_heads: int, head_dim: int, *, block_q: int, block_k: int, stages: int, emit_mask: bool = False) -> bool:
+  """Whether `score_counts_mgpu` takes H heads of dim D with these blocks (MMA columns, shared memory)."""
+  heads, dim = -(-num_heads // 8) * 8, -(-head_dim // _SWIZZLE_COLS) * _SWIZZLE_COLS
+  return (block_k in (64, 128) and stages >= 2 and 1 <= block_q and block_q * heads <= 256
+          and smem_bytes(block_q, heads, block_k, stages, dim, emit_mask) <= SMEM_LIMIT)
 
 
 def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, above_gmem, tied_gmem, max_gmem,
@@ -94,11 +109,10 @@ def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, above_gm
   qb = n_blocks - 1 - lax.axis_index("qb")  # the longest rows first
   first_q = qb * block_q
   first_pos = q_offset_gmem[0] + first_q
-  seen = lambda pos: jnp.clip((pos + 1) // compress_ratio, 0, num_keys)  # keys visible at a position
   # Steps (of step_keys keys) holding a key visible to the block's last query; the steps before the
   # first query's edge see every key for every query of the block (no mask there).
-  n_steps = pl.cdiv(seen(first_pos + block_q - 1), step_keys)
-  n_unmasked = seen(first_pos) // step_keys
+  n_steps = pl.cdiv(keys_seen(first_pos + block_q - 1, compress_ratio, num_keys), step_keys)
+  n_unmasked = keys_seen(first_pos, compress_ratio, num_keys) // step_keys
 
   def body(q_smem, k_smem, above_smem, tied_smem, max_smem, q_bar, k_ready, k_free, schedule, *mask_smem):
     wg = lax.axis_index("wg")
@@ -146,7 +160,7 @@ def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, above_gm
           score = jnp.where(jnp.isnan(score), -jnp.inf, score)  # NaN ranks lowest, as in the reference
           is_above, is_tied = score > thresholds[j], score == thresholds[j]
           if masked:
-            visible = ((k_pos + 1) * compress_ratio <= first_pos + j + 1) & (k_pos < num_keys)
+            visible = key_visible(k_pos, first_pos + j, compress_ratio, num_keys)
             is_above, is_tied = is_above & visible, is_tied & visible
             score = jnp.where(visible, score, -jnp.inf)
           out.append((above + is_above.astype(jnp.int32), tied + is_tied.astype(jnp.int32),

@@ -17,7 +17,9 @@ their scores, the first keys tied at it, and the counts), in three steps per bat
 Scores are f32 in both kernels (products, head sum, scale), summed in different orders, so a key
 whose two scores straddle the threshold by a rounding may be marked on one side and ranked by the
 other: the same class of difference as between any two f32 scorers. On integer-valued inputs every
-order gives the same bits and the result is exactly the Triton pass's (tests/test_flash_topk_pallas.py).
+order gives the same bits and the result is exactly the Triton pass's (tests/test_flash_topk_mosaic.py).
+The rescored scores get the main pass's two folds (-0 to +0, NaN to -inf), so the finish ranks the
+same values either pass would give it.
 
 Memory: the mask of a query chunk, [chunk, Tk] int8, beside the candidate buffers; `_select` sizes
 the chunks for both (`Config.mosaic_chunk_bytes`).
@@ -28,8 +30,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.flash_topk.flash_topk import Candidates, Config, candidates_from_mask, next_power_of_two
-from pallas_kernels.flash_topk.mgpu_scores import score_counts_mgpu
+from pallas_kernels.flash_topk.flash_topk import Candidates, Config, candidates_from_mask, keys_seen, next_power_of_two
+from pallas_kernels.flash_topk.mgpu_scores import padded_num_keys, score_counts_mgpu
 from pallas_kernels.flash_topk.scores_at import index_scores_at_prefix
 
 COMPACTION_ROWS = 16  # rows per program of the listing step; query chunks are a multiple of it
@@ -37,8 +39,7 @@ COMPACTION_ROWS = 16  # rows per program of the listing step; query chunks are a
 
 def mask_bytes_per_row(num_keys: int, config: Config) -> int:
   """The mask's bytes per query row (keys padded to the Mosaic pass's step)."""
-  step = 2 * config.mosaic_block_k
-  return -(-num_keys // step) * step
+  return padded_num_keys(num_keys, config.mosaic_block_k)
 
 
 def flash_topk_candidates_mosaic(q, k, weights, threshold, *, q_offset, topk, compress_ratio, scale, slots,
@@ -52,20 +53,28 @@ def flash_topk_candidates_mosaic(q, k, weights, threshold, *, q_offset, topk, co
   tie_slots = next_power_of_two(min(topk, Tk))
   if weights is None:
     weights = jnp.ones((B, Tq, H), jnp.float32)
+  # Whole listing programs: padded here, the mask is neither sliced by the kernel's wrapper nor padded
+  # again by the listing (a copy of [Tq, Tk] bytes); padded rows (threshold +inf) are sliced off below.
+  extra = -Tq % COMPACTION_ROWS
+  if extra:
+    q, weights = (jnp.pad(x, ((0, 0), (0, extra)) + ((0, 0),) * (x.ndim - 2)) for x in (q, weights))
+    threshold = jnp.pad(threshold, ((0, 0), (0, extra)), constant_values=jnp.inf)
   rows = []
   for b in range(B):  # Mosaic's kernel takes one batch row; long-context batches hold one or a few
     *_, mask = score_counts_mgpu(q[b], k[b], weights[b], threshold[b], scale=scale, q_offset=q_offset,
                                  compress_ratio=compress_ratio, block_q=config.mosaic_block_q,
                                  block_k=config.mosaic_block_k, stages=config.mosaic_stages, emit_mask=True,
                                  interpret=interpret)
-    idx, tie_idx, n_gt, n_eq = candidates_from_mask(mask, q_offset, num_keys=Tk, compress_ratio=compress_ratio,
+    idx, tie_idx, n_above, n_tied = candidates_from_mask(mask, q_offset, num_keys=Tk, compress_ratio=compress_ratio,
                                                     slots=slots, tie_slots=tie_slots, block_q=COMPACTION_ROWS,
                                                     interpret=interpret)
     scores = index_scores_at_prefix(q[b][None], k[b][None], weights[b][None], idx[None],
-                                    jnp.minimum(n_gt, slots)[None], scale, keys_as_rows=True,
+                                    jnp.minimum(n_above, slots)[None], scale, keys_as_rows=True,
                                     interpret=interpret)[0]
-    rows.append((idx, scores, tie_idx, n_gt, n_eq))
-  idx, scores, tie_idx, n_gt, n_eq = (jnp.stack(x) for x in zip(*rows))
+    scores = jnp.where(scores == 0.0, 0.0, scores)  # -0 joins the zero plateau's tie class
+    scores = jnp.where(jnp.isnan(scores), -jnp.inf, scores)  # NaN ranks lowest
+    rows.append((idx, scores, tie_idx, n_above, n_tied))
+  idx, scores, tie_idx, n_above, n_tied = (jnp.stack(x)[:, :Tq] for x in zip(*rows))
   positions = jnp.asarray(q_offset, jnp.int32) + jnp.arange(Tq, dtype=jnp.int32)
-  n_vis = jnp.broadcast_to(jnp.clip((positions + 1) // compress_ratio, 0, Tk), (B, Tq))
-  return Candidates(idx, scores, tie_idx, n_gt, n_eq, n_vis)
+  n_vis = jnp.broadcast_to(keys_seen(positions, compress_ratio, Tk), (B, Tq))
+  return Candidates(idx, scores, tie_idx, n_above, n_tied, n_vis)

@@ -107,7 +107,7 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_r
   # shares with the previous chunk are recomputed identically), so q is never padded or copied.
   # Equal chunks keep that overlap under block_q rows per chunk; the largest chunk under the budget left
   # 3,604 of 131,072 rows (the costliest, last causal rows) to be scored twice.
-  mosaic = config.scores_on_mosaic(Tk, q.dtype, q_seg is None and k_scale is None, interpret)
+  mosaic = config.scores_on_mosaic(Tk, H, q.shape[3], q.dtype, q_seg is None and k_scale is None, interpret)
   main_pass = mosaic_pass.flash_topk_candidates_mosaic if mosaic else flash_topk_candidates
   block_q, budget = config.block_q(H), config.chunk_bytes
   row_bytes = B * (8 * slots + 4 * next_power_of_two(min(topk, Tk)))
