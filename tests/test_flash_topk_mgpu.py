@@ -77,8 +77,9 @@ def test_counts_and_max_match_oracle(case):
   seen = _visible(Tq, Tk, q_offset, compress_ratio)
   q, k, w, threshold, kind = _inputs(Tq, Tk, H, D, nan_key, seen)
   want_above, want_tied, want_max, score = _oracle(q, k, w, threshold, _SCALE, seen)
-  fn = jax.jit(lambda *a, q_offset: score_counts_mgpu(*a, scale=_SCALE, q_offset=q_offset, block_q=block_q, block_k=block_k, stages=stages,
-                                            pingpong=pingpong, compress_ratio=compress_ratio, emit_mask=emit_mask))
+  fn = jax.jit(lambda *a, q_offset: score_counts_mgpu(
+      *a, scale=_SCALE, q_offset=q_offset, block_q=block_q, block_k=block_k, stages=stages, pingpong=pingpong,
+      compress_ratio=compress_ratio, emit_mask=emit_mask))
   got = jax.block_until_ready(fn(jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16),
                                  jnp.asarray(w, jnp.float32), jnp.asarray(threshold, jnp.float32),
                                  q_offset=jnp.int32(q_offset)))

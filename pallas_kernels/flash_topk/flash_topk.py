@@ -55,6 +55,13 @@ def key_visible(key, position, compress_ratio: int, num_keys: int):
   return ((key + 1) * compress_ratio <= position + 1) & (key < num_keys)
 
 
+def rank_folded(score):
+  """A kernel's f32 scores as the reference ranks them: -0 joins the zero plateau's tie class (+0), and
+  NaN ranks lowest (-inf)."""
+  score = jnp.where(score == 0.0, 0.0, score)
+  return jnp.where(jnp.isnan(score), -jnp.inf, score)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tuning knobs. The defaults come from the H200 measurements in bench/NOTES.md.
@@ -273,8 +280,7 @@ def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads,
       score = score * key_scale_ref[pl.ds(j * block_k, block_k)][None, :]
     else:
       score = score * scale
-    score = jnp.where(score == 0.0, 0.0, score)  # -0 joins the zero plateau's tie class
-    score = jnp.where(jnp.isnan(score), -jnp.inf, score)  # NaN ranks lowest, as in the reference
+    score = rank_folded(score)
     above, tied = score > t[:, None], score == t[:, None]
     if causal_mask or has_segments:
       visible = jnp.full((block_q, block_k), True)

@@ -60,7 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._hopper import smem_transforms
-from pallas_kernels.flash_topk.flash_topk import key_visible, keys_seen
+from pallas_kernels.flash_topk.flash_topk import key_visible, keys_seen, rank_folded
 
 _CONSUMERS = 2  # MMA warpgroups; the third issues the TMA loads
 _SWIZZLE_COLS = 64  # bf16 elements of a 128-byte swizzled row
@@ -86,9 +86,15 @@ def padded_num_keys(num_keys: int, block_k: int) -> int:
   return -(-num_keys // step) * step
 
 
+def _padded_heads_and_dim(num_heads: int, head_dim: int) -> tuple[int, int]:
+  """H to a multiple of 8 (zero weight) and D to the 128-byte swizzle's 64 columns (zeros), as the kernel
+  takes them."""
+  return -(-num_heads // 8) * 8, -(-head_dim // _SWIZZLE_COLS) * _SWIZZLE_COLS
+
+
 def fits(num_heads: int, head_dim: int, *, block_q: int, block_k: int, stages: int, emit_mask: bool = False) -> bool:
   """Whether `score_counts_mgpu` takes H heads of dim D with these blocks (MMA columns, shared memory)."""
-  heads, dim = -(-num_heads // 8) * 8, -(-head_dim // _SWIZZLE_COLS) * _SWIZZLE_COLS
+  heads, dim = _padded_heads_and_dim(num_heads, head_dim)
   return (block_k in (64, 128) and stages >= 2 and 1 <= block_q and block_q * heads <= 256
           and smem_bytes(block_q, heads, block_k, stages, dim, emit_mask) <= SMEM_LIMIT)
 
@@ -155,9 +161,7 @@ def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, above_gm
           above, tied, best = carry[j]
           dots = acc[:, j * heads:(j + 1) * heads]  # query j's heads: [block_k, H]
           weighted = jnp.maximum(dots, 0.0) * lax.broadcast_in_dim(weights[j], dots.shape, [1])
-          score = weighted.sum(axis=1) * scale  # [block_k], the row layout: a reduction within quads
-          score = jnp.where(score == 0.0, 0.0, score)  # -0 joins the zero plateau's tie class
-          score = jnp.where(jnp.isnan(score), -jnp.inf, score)  # NaN ranks lowest, as in the reference
+          score = rank_folded(weighted.sum(axis=1) * scale)  # [block_k], the row layout: a reduction within quads
           is_above, is_tied = score > thresholds[j], score == thresholds[j]
           if masked:
             visible = key_visible(k_pos, first_pos + j, compress_ratio, num_keys)
@@ -290,10 +294,9 @@ def score_counts_mgpu(q, k, weights, threshold, *, scale: float, q_offset=0, com
     raise ValueError(f"{stages=} must be >= 2.")
   if compress_ratio < 1:
     raise ValueError(f"{compress_ratio=} must be >= 1.")
-  heads = -(-H // 8) * 8
+  heads, dim = _padded_heads_and_dim(H, D)
   if block_q < 1 or block_q * heads > 256:
     raise ValueError(f"{block_q=} times {heads} heads (H={H} padded to 8) must be 1 to 256 MMA columns.")
-  dim = -(-D // _SWIZZLE_COLS) * _SWIZZLE_COLS
   if (need := smem_bytes(block_q, heads, block_k, stages, dim, emit_mask)) > SMEM_LIMIT:
     raise ValueError(f"{stages=} key steps of {_CONSUMERS * block_k} x {dim} beside q's {block_q * heads} x {dim} "
                      f"need {need} bytes of shared memory, over {SMEM_LIMIT}.")
@@ -310,8 +313,8 @@ def score_counts_mgpu(q, k, weights, threshold, *, scale: float, q_offset=0, com
   n_blocks = Tq_pad // block_q
   kernel = functools.partial(
       _score_counts_kernel, block_q=block_q, heads=heads, block_k=block_k, stages=stages, num_keys=Tk,
-      compress_ratio=int(compress_ratio), scale=float(scale), consumer_registers=consumer_registers, producer_registers=producer_registers,
-      pingpong=pingpong)
+      compress_ratio=int(compress_ratio), scale=float(scale), consumer_registers=consumer_registers,
+      producer_registers=producer_registers, pingpong=pingpong)
   part = (n_blocks, _CONSUMERS, block_q, block_k)
   mask_type = [jax.ShapeDtypeStruct((Tq_pad, k.shape[0]), jnp.int8)] if emit_mask else []
   above, tied, best, *mask = plgpu.kernel(

@@ -30,7 +30,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.flash_topk.flash_topk import Candidates, Config, candidates_from_mask, keys_seen, next_power_of_two
+from pallas_kernels.flash_topk.flash_topk import (
+    Candidates, Config, candidates_from_mask, keys_seen, next_power_of_two, rank_folded,
+)
 from pallas_kernels.flash_topk.mgpu_scores import padded_num_keys, score_counts_mgpu
 from pallas_kernels.flash_topk.scores_at import index_scores_at_prefix
 
@@ -42,12 +44,15 @@ def mask_bytes_per_row(num_keys: int, config: Config) -> int:
   return padded_num_keys(num_keys, config.mosaic_block_k)
 
 
-def flash_topk_candidates_mosaic(q, k, weights, threshold, *, q_offset, topk, compress_ratio, scale, slots,
-                                 config: Config, interpret: bool) -> Candidates:
+def flash_topk_candidates_mosaic(q, k, weights, threshold, *, q_offset, segment_ids, topk, compress_ratio, scale,
+                                 slots, config: Config, interpret: bool, key_scale=None) -> Candidates:
   """`flash_topk_candidates` for bf16 q [B, Tq, H, D] and k [B, Tk, D] without segments or key scales.
 
-  Args and returns as `flash_topk_candidates` (weights None means all ones).
+  Args and returns as `flash_topk_candidates` (weights None means all ones); `segment_ids` and
+  `key_scale` must be None (`Config.scores_on_mosaic` sends those to the Triton pass).
   """
+  if segment_ids is not None or key_scale is not None:
+    raise ValueError("The Mosaic main pass takes no segment_ids and no key_scale: use Config(scorer='triton').")
   B, Tq, H, _ = q.shape
   Tk = k.shape[1]
   tie_slots = next_power_of_two(min(topk, Tk))
@@ -71,9 +76,7 @@ def flash_topk_candidates_mosaic(q, k, weights, threshold, *, q_offset, topk, co
     scores = index_scores_at_prefix(q[b][None], k[b][None], weights[b][None], idx[None],
                                     jnp.minimum(n_above, slots)[None], scale, keys_as_rows=True,
                                     interpret=interpret)[0]
-    scores = jnp.where(scores == 0.0, 0.0, scores)  # -0 joins the zero plateau's tie class
-    scores = jnp.where(jnp.isnan(scores), -jnp.inf, scores)  # NaN ranks lowest
-    rows.append((idx, scores, tie_idx, n_above, n_tied))
+    rows.append((idx, rank_folded(scores), tie_idx, n_above, n_tied))
   idx, scores, tie_idx, n_above, n_tied = (jnp.stack(x)[:, :Tq] for x in zip(*rows))
   positions = jnp.asarray(q_offset, jnp.int32) + jnp.arange(Tq, dtype=jnp.int32)
   n_vis = jnp.broadcast_to(keys_seen(positions, compress_ratio, Tk), (B, Tq))

@@ -39,9 +39,10 @@ from pallas_kernels._relaxed_atomics import scatter_add_rows
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _dots(q, rows, precise):
-  """f32 [heads, block_k]: each head's dot with each gathered key row."""
-  return jax.lax.dot_general(q, rows, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+def _dots(a, b, precise):
+  """f32 [rows of a, rows of b]: each row of `a` dotted with each row of `b` (q [heads, D] with the
+  gathered key rows [block_k, D] gives [heads, block_k]; the other way round, keys as rows)."""
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                              precision=_HIGHEST if precise else None)
 
 
@@ -60,9 +61,7 @@ def _forward_kernel(q_ref, k_ref, w_ref, idx_ref, *refs, scale, block_k, precise
   def step(j, carry):
     rows, _ = _rows(idx_ref, k_ref, j, block_k)
     if keys_as_rows:  # [block_k, heads]: the head sum along the accumulator's columns, within threads
-      dots = jax.lax.dot_general(rows, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                 precision=_HIGHEST if precise else None)
-      score = (jnp.maximum(dots, 0.0) * w[None, :]).sum(axis=1)
+      score = (jnp.maximum(_dots(rows, q, precise), 0.0) * w[None, :]).sum(axis=1)
     else:
       score = (jnp.maximum(_dots(q, rows, precise), 0.0) * w[:, None]).sum(axis=0)
     out_ref[pl.ds(j * block_k, block_k)] = score * scale

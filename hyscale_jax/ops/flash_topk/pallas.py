@@ -121,12 +121,11 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_r
   def chunk_topk(c, outs):
     start = jnp.minimum(c * chunk, Tq - chunk)
     t_c = rows(threshold, start)
-    triton_only = {} if mosaic else dict(
-        segment_ids=None if q_seg is None else (rows(q_seg, start), kv_seg), key_scale=key_scale)
     candidates = main_pass(
-        rows(q, start), k, rows(weights, start), t_c, q_offset=q_offset + start, topk=topk,
+        rows(q, start), k, rows(weights, start), t_c, q_offset=q_offset + start,
+        segment_ids=None if q_seg is None else (rows(q_seg, start), kv_seg), topk=topk,
         compress_ratio=compress_ratio, scale=scale, slots=slots, config=config, interpret=interpret,
-        **triton_only)
+        key_scale=key_scale)
     found = (*_finish(candidates, t_c, topk, method=config.finish, interpret=interpret, by_score=by_score),
              candidates.n_above)
     return tuple(jax.lax.dynamic_update_slice_in_dim(o, f, start, 1) for o, f in zip(outs, found))
