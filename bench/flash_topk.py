@@ -33,7 +33,7 @@ narrowed by `--mgpu-config`'s fields) beside the Triton configs.
 `fp8_overlap_with_bf16` is the mean fraction of a row's selected keys that the bf16 selection shares
 (quantization moves the boundary: about 98% is what others report). `pallas_unsorted` is the call
 the DSA layers make (`flash_topk(..., sorted=False)`: the same sets, no sort of the winners).
-`pallas` and `pallas_unsorted` run `--config` as given (`scorer="auto"`: Triton below 128K keys, the
+`pallas` and `pallas_unsorted` run `--config` as given (`scorer="auto"`: Triton below 32K keys, the
 Mosaic pass from there on Hopper); `pallas_mosaic[_unsorted]` force the Mosaic pass
 (`pallas_kernels/flash_topk/mosaic_pass.py`, blocks from `--mgpu-config`) and report
 `agreement_with_pallas`, the fraction of sorted slots equal to `pallas`'s.

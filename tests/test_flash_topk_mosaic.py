@@ -153,13 +153,13 @@ def test_mosaic_pass_lowers_for_h200(fake_hopper):
 
 
 def test_scorer_choice(fake_hopper):
-  """"auto" scores on Mosaic only where it was measured faster: compiled, on Hopper, from 128K keys, bf16
+  """"auto" scores on Mosaic only where it was measured faster: compiled, on Hopper, from 32K keys, bf16
   without segments or key scales; "mosaic" asks for it wherever its inputs allow; a bad name is an error."""
   auto, mosaic, triton = Config(), Config(scorer="mosaic"), Config(scorer="triton")
   on = lambda config, num_keys=131072, heads=64, dim=128, dtype=jnp.bfloat16, plain=True, interpret=False: (
       config.scores_on_mosaic(num_keys, heads, dim, dtype, plain, interpret))
   assert on(auto) and on(auto, heads=32) and on(auto, heads=4, dim=64)
-  assert not on(auto, num_keys=65536)
+  assert on(auto, num_keys=32768) and not on(auto, num_keys=32767) and not on(auto, num_keys=16384)
   assert not on(auto, interpret=True)
   assert not on(auto, dtype=jnp.float8_e4m3fn) and not on(auto, plain=False)
   # Past the kernel's limits the Triton pass takes it: 4 x 128 heads > 256 MMA columns; D 256 at 64

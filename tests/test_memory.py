@@ -90,6 +90,31 @@ def test_deterministic_attention_adds_its_slabs_up_to_the_kernel_budget():
   assert est(v4, 64)["deterministic attention slabs"] == 64 * selected * key_width * 4 * 1 < 1 << 30
 
 
+def test_selection_working_memory_is_the_flash_topk_chunk_budget(monkeypatch):
+  from hyscale_jax.ops.flash_topk.pallas import working_bytes  # noqa: PLC0415
+  from pallas_kernels import _hopper  # noqa: PLC0415
+  from pallas_kernels.flash_topk import Config  # noqa: PLC0415
+
+  est = lambda cfg, T, **kw: memory.estimate_training_memory(cfg, batch_size=1, seq_len=T, param_count=10**9,
+                                                             **kw).components["selection working memory"]
+  bf16 = dataclasses.replace(_GLM_FULL, dtype="bfloat16")
+  budget, mosaic_budget = Config().chunk_bytes, Config().mosaic_chunk_bytes
+  # A short sequence holds every row's candidate buffers: 8 bytes a slot (4 x k slots, at most a
+  # slot a key) and 4 a winner, k at most T.
+  assert est(bf16, 1024) == 1024 * (8 * 1024 + 4 * 1024)
+  assert budget // 2 < est(bf16, 1 << 17) <= budget  # off Hopper the Triton pass, capped
+  monkeypatch.setattr(_hopper, "on_hopper", lambda: True)
+  assert mosaic_budget // 2 < est(bf16, 1 << 17) <= mosaic_budget  # from 32K keys, the Mosaic pass's mask
+  assert budget // 2 < est(bf16, 1 << 14) <= budget
+  # Each device chunks its own T / context queries over all T keys.
+  assert est(bf16, 1 << 17, context_shards=4) == working_bytes(1, 1 << 15, 1 << 17, 32, 128, "bfloat16", 2048)
+  # V4's CSA indexes T / 4 entries: the Mosaic pass only from 128K tokens.
+  v4 = dataclasses.replace(ModelConfig.from_config(deepseek_v4_flash.get_config("full").model), dtype="bfloat16")
+  assert est(v4, 1 << 16) <= budget < est(v4, 1 << 17) <= mosaic_budget
+  window_only = dataclasses.replace(v4, compress_ratios=(0,) * v4.n_layers)  # no CSA layer: nothing selects
+  assert est(window_only, 1 << 19) == 0
+
+
 def test_selection_replay_saves_the_selection_of_indexer_layers_only():
   from configs import qwen3_8_flash_next  # noqa: PLC0415
 

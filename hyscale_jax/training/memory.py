@@ -16,6 +16,8 @@ The estimate adds, per device:
   them one chunk at a time: an upper bound);
 - with `model.sparse_attention_deterministic`, the backward's f32 contribution slabs (at most the
   kernel's `Config.chunk_bytes`, 1 GiB);
+- FlashTopK's main-pass working memory in a layer with an indexer: its query chunks are capped by a
+  byte budget, 256 MiB on the Triton pass and 1 GiB on the Mosaic GPU pass (Hopper, from 32K keys);
 - the routed experts of one MoE layer's backward, for one token chunk (`model.moe_token_chunk`,
   all tokens when 0) of R = tokens x experts_per_token dispatched rows (`moe_expert_bytes`): with
   `ops.grouped_matmul`'s Hopper kernels, the rows and the experts' activations and their gradients,
@@ -275,6 +277,22 @@ def _deterministic_slabs(cfg: ModelConfig, rows: float, key_width: int) -> float
   return min(float(Config().chunk_bytes), rows * selected * key_width * 4 * head_blocks)
 
 
+def _selection_working_bytes(cfg: ModelConfig, batch: float, rows: float, seq_len: int) -> float:
+  """FlashTopK's main-pass buffers for one query chunk (0 without an indexer layer), as the Pallas
+  backend sizes them (`ops.flash_topk.pallas.working_bytes`: under `Config.chunk_bytes`, or
+  `Config.mosaic_chunk_bytes` where "auto" scores on Mosaic GPU, Hopper from 32K indexed keys).
+  `batch` rows of `rows / batch` queries on this device select over all `seq_len` positions' keys
+  (gathered under context parallelism): V4's CSA entries, QSA's blocks, every token for DSA."""
+  if not any(_has_indexer(c, i) for c, i in _blocks(cfg)):
+    return 0.0
+  from hyscale_jax.ops.flash_topk.pallas import working_bytes  # noqa: PLC0415 - the kernels' own sizing
+
+  per_key = {"deepseek_v4": cfg.csa_ratio, "qwen4_exp": cfg.qsa_block}.get(cfg.architecture, 1)
+  b = max(1, math.ceil(batch))
+  return float(working_bytes(b, max(1, math.ceil(rows / b)), max(1, seq_len // per_key), cfg.index_n_heads,
+                             cfg.index_head_dim, cfg.dtype, cfg.index_topk))
+
+
 def grouped_matmul_kernel_applies(cfg: ModelConfig) -> bool:
   """Whether `ops.grouped_matmul` runs its Hopper kernel here ("auto" on an sm_90 GPU, bf16/f16), not ragged_dot."""
   from pallas_kernels._hopper import on_hopper  # noqa: PLC0415 - the estimate itself needs no kernel package
@@ -370,6 +388,7 @@ def estimate_training_memory(cfg: ModelConfig, *, batch_size: int, seq_len: int,
       # One MoE layer's backward at a time; every remat policy runs it.
       "MoE routed experts": max(moe_expert_bytes(c, i, rows, grouped_kernel=grouped_kernel) for c, i in blocks),
       "deterministic attention slabs": _deterministic_slabs(cfg, rows, key_width),
+      "selection working memory": _selection_working_bytes(cfg, batch_size / data_shards, rows, seq_len),
       "runtime reserve": RUNTIME_RESERVE_BYTES,
   }
   return MemoryEstimate({k: int(v) for k, v in components.items()})

@@ -96,9 +96,12 @@ class Config:
     mosaic_chunk_bytes: the Mosaic pass's working memory per query chunk (mask and buffers); larger
       than `chunk_bytes` because a chunk is one kernel launch, and at 128K keys 256 MiB chunks (1,296
       rows, 2.5 waves of CTAs on 132 SMs) took 433.9 ms against 337.4 ms with 1 GiB (bench/NOTES.md).
-    mosaic_min_keys: "auto" scores on Mosaic from this many keys on (the H200: 337.4 against 401.4 ms
-      at 128K; 12.8 against 8.7 ms at 16K, where the rescoring of ~3,600 candidates a row costs
-      almost half of the main pass's FLOPs).
+    mosaic_min_keys: "auto" scores on Mosaic from this many keys on. On the H200, one call against the
+      Triton pass (unsorted, k 2048 unless said): 32K keys (V4's CSA at 128K tokens, k 512) 92.3
+      against 110.7 ms, 64K 87.4 against 104.2 (H 64) and 66.8 against 82.6 (H 32), 128K 322.0
+      against 316.4 once its keys-as-rows rescoring was in (337.4 against 401.4 before); 16K 9.8
+      against 8.5, where the rescoring of ~3,600 candidates a row costs almost half of the main
+      pass's FLOPs.
   """
 
   block_rows: int | None = None
@@ -118,7 +121,7 @@ class Config:
   mosaic_block_k: int = 64
   mosaic_stages: int = 2
   mosaic_chunk_bytes: int = 1 << 30
-  mosaic_min_keys: int = 131072
+  mosaic_min_keys: int = 32768
 
   def __post_init__(self):
     if self.finish not in ("select", "top_k"):

@@ -109,13 +109,7 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_r
   # 3,604 of 131,072 rows (the costliest, last causal rows) to be scored twice.
   mosaic = config.scores_on_mosaic(Tk, H, q.shape[3], q.dtype, q_seg is None and k_scale is None, interpret)
   main_pass = mosaic_pass.flash_topk_candidates_mosaic if mosaic else flash_topk_candidates
-  block_q, budget = config.block_q(H), config.chunk_bytes
-  row_bytes = B * (8 * slots + 4 * next_power_of_two(min(topk, Tk)))
-  if mosaic:  # chunks of whole listing programs, with their mask
-    block_q, budget = mosaic_pass.COMPACTION_ROWS, config.mosaic_chunk_bytes
-    row_bytes += B * mosaic_pass.mask_bytes_per_row(Tk, config)
-  largest = min(Tq, max(block_q, budget // row_bytes // block_q * block_q))
-  chunk = min(Tq, st.cdiv(st.cdiv(Tq, st.cdiv(Tq, largest)), block_q) * block_q)
+  chunk, _ = _query_chunk(B, Tq, Tk, H, topk, config, mosaic)
   rows = lambda x, start: None if x is None else jax.lax.dynamic_slice_in_dim(x, start, chunk, 1)
 
   def chunk_topk(c, outs):
@@ -139,6 +133,31 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_r
   stats = dict(rows=B * Tq, rescued=jnp.sum(~exact, dtype=jnp.int32),
                candidates_per_row=jnp.mean(n_above.astype(jnp.float32)))
   return indices, scores, stats
+
+
+def _query_chunk(B, Tq, Tk, H, topk, config, mosaic):
+  """(query rows per main-pass chunk, working bytes of one chunk): the candidate buffers (and the Mosaic
+  pass's mask) of a chunk stay under the pass's byte budget."""
+  slots = config.candidate_slots(topk, Tk)
+  block_q, budget = config.block_q(H), config.chunk_bytes
+  row_bytes = B * (8 * slots + 4 * next_power_of_two(min(topk, Tk)))
+  if mosaic:  # chunks of whole listing programs, with their mask
+    block_q, budget = mosaic_pass.COMPACTION_ROWS, config.mosaic_chunk_bytes
+    row_bytes += B * mosaic_pass.mask_bytes_per_row(Tk, config)
+  largest = min(Tq, max(block_q, budget // row_bytes // block_q * block_q))
+  chunk = min(Tq, st.cdiv(st.cdiv(Tq, st.cdiv(Tq, largest)), block_q) * block_q)
+  return chunk, chunk * row_bytes
+
+
+def working_bytes(batch: int, num_queries: int, num_keys: int, num_heads: int, head_dim: int, dtype, topk: int,
+                  config: Config | None = None) -> int:
+  """Bytes of the main pass's buffers for one query chunk (what `flash_topk(backend="pallas")` holds
+  besides its inputs and outputs), for q [batch, num_queries, num_heads, head_dim] of `dtype` over
+  `num_keys` keys without segments or key scales: capped by `Config.chunk_bytes`, or by
+  `Config.mosaic_chunk_bytes` where the pass scores on Mosaic GPU here."""
+  config = config or Config()
+  mosaic = config.scores_on_mosaic(num_keys, num_heads, head_dim, jnp.dtype(dtype), True, interpret=False)
+  return _query_chunk(batch, num_queries, num_keys, num_heads, topk, config, mosaic)[1]
 
 
 def _threshold(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_ratio, scale, slots,
