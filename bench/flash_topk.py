@@ -14,6 +14,7 @@ Run on the H200 (one call per mode; every figure in a table comes from the same 
   python bench/flash_topk.py table --shapes dsa16k dsa64k glm64k --out flash_topk.json
   python bench/flash_topk.py table --shapes dsa16k --only pallas pallas_fp8 xla_baseline   # bf16 vs fp8
   python bench/flash_topk.py table --shapes dsa16k --only pallas pallas_unsorted   # the winners' sort's cost
+  python bench/flash_topk.py table --shapes dsa64k --only pallas pallas_segments_unsorted pallas_segments_triton_unsorted
   python bench/flash_topk.py table --smoke --out /tmp/smoke.json   # tiny shapes on CPU (interpret), seconds
 
 FLOPs are causal-effective: 2·H·D per visible (query, key) pair. "ceiling" is the same main pass with
@@ -37,6 +38,8 @@ the DSA layers make (`flash_topk(..., sorted=False)`: the same sets, no sort of 
 Mosaic pass from there on Hopper); `pallas_mosaic[_unsorted]` force the Mosaic pass
 (`pallas_kernels/flash_topk/mosaic_pass.py`, blocks from `--mgpu-config`) and report
 `agreement_with_pallas`, the fraction of sorted slots equal to `pallas`'s.
+`pallas_segments_unsorted` passes segment ids (one document per row, the same selection) as train.py's
+packed rows do, with `--config` as given; `pallas_segments_triton_unsorted` the same on the Triton pass.
 """
 
 import argparse
@@ -212,12 +215,17 @@ def ceiling_mgpu_fn(mgpu_config, compress_ratio=1):
   return fn
 
 
-def pallas_fn(topk, compress_ratio, config, by_score=True):
+def pallas_fn(topk, compress_ratio, config, by_score=True, one_segment=False):
   """(q, k, w[, k_scale]) -> (indices, scores, stats); k_scale for fp8 q and k; `by_score` False: the
-  op's `sorted=False` (the layers' call: no sort of the winners)."""
+  op's `sorted=False` (the layers' call: no sort of the winners); `one_segment`: segment ids passed,
+  all one document (what train.py's packed rows pass for a row of one document: the same selection,
+  through the segment masks)."""
   def fn(q, k, w, k_scale=None):
+    segment_ids = None
+    if one_segment:
+      segment_ids = (jnp.ones(q.shape[:2], jnp.int32), jnp.ones(k.shape[:2], jnp.int32))
     return flash_topk_pallas_with_stats(q, k, w, k_scale=k_scale, topk=topk, compress_ratio=compress_ratio,
-                                        scale=128**-0.5, config=config, sorted=by_score)
+                                        segment_ids=segment_ids, scale=128**-0.5, config=config, sorted=by_score)
   return fn
 
 
@@ -384,6 +392,11 @@ def run_table(shapes, config, reps, skip, mgpu_config=None):
         # The main pass scored on Mosaic GPU (mark, list, rescore: pallas_kernels/flash_topk/mosaic_pass.py).
         "pallas_mosaic": (jax.jit(pallas_fn(topk, cr, mosaic)), (q, k, w)),
         "pallas_mosaic_unsorted": (jax.jit(pallas_fn(topk, cr, mosaic, by_score=False)), (q, k, w)),
+        # With segment ids (one document): "auto" as given, and the Triton pass forced.
+        "pallas_segments_unsorted": (jax.jit(pallas_fn(topk, cr, config, by_score=False, one_segment=True)),
+                                     (q, k, w)),
+        "pallas_segments_triton_unsorted": (jax.jit(pallas_fn(
+            topk, cr, dataclasses.replace(config, scorer="triton"), by_score=False, one_segment=True)), (q, k, w)),
         # The same backend with the previous finish (lax.top_k over the whole candidate buffer).
         "pallas_top_k_finish": (jax.jit(pallas_fn(topk, cr, dataclasses.replace(config, finish="top_k"))),
                                 (q, k, w)),
@@ -407,11 +420,11 @@ def run_table(shapes, config, reps, skip, mgpu_config=None):
         stats = out[2]
         row.update(rescued=int(stats["rescued"]), candidates_per_row=float(stats["candidates_per_row"]))
       if name in ("pallas", "pallas_unsorted", "pallas_mosaic", "pallas_mosaic_unsorted", "xla_baseline", "pallas_fp8",
-                  "xla_baseline_fp8"):
+                  "xla_baseline_fp8", "pallas_segments_unsorted", "pallas_segments_triton_unsorted"):
         selected[name] = jnp.sort(out[0], axis=-1)
       if name == "pallas_unsorted" and "pallas" in selected:  # the same sets as the sorted call
         row["same_sets_as_pallas"] = bool(jnp.array_equal(selected[name], selected["pallas"]))
-      if name.startswith("pallas_mosaic") and "pallas" in selected:  # f32 sums in another order: the
+      if name.startswith(("pallas_mosaic", "pallas_segments")) and "pallas" in selected:  # f32 sums in another order: the
         # same sets but for keys within a rounding of a row's k-th score
         row["agreement_with_pallas"] = float(jnp.mean(selected[name] == selected["pallas"]))
       if name == "pallas_top_k_finish" and "pallas" in results:  # the two finishes: bit-identical outputs
@@ -486,12 +499,13 @@ def main():
     rows = run_tune(args.seq, configs, tuple(args.only or ("ceiling", "pallas")), mgpu_configs)
   else:
     every = {"pallas", "pallas_unsorted", "pallas_mosaic", "pallas_mosaic_unsorted", "pallas_fp8",
-             "pallas_top_k_finish", "ceiling", "ceiling_fp8", "ceiling_mgpu", "xla_baseline", "xla_baseline_fp8",
+             "pallas_segments_unsorted", "pallas_segments_triton_unsorted", "pallas_top_k_finish", "ceiling", "ceiling_fp8", "ceiling_mgpu", "xla_baseline", "xla_baseline_fp8",
              "reference"}
     skip = {s: every - set(args.only) for s in args.shapes} if args.only else {}
     if args.smoke and not args.only:  # CI's bench smoke (CI time): the old finish's equality and the unsorted
       # call's sets are tests/test_flash_topk*.py's, and the ceilings are timings only
       skip = {"smoke": {"pallas_top_k_finish", "pallas_unsorted", "pallas_mosaic", "pallas_mosaic_unsorted",
+                        "pallas_segments_unsorted", "pallas_segments_triton_unsorted",
                         "ceiling", "ceiling_fp8", "ceiling_mgpu", "xla_baseline_fp8"}}
     rows = run_table(args.shapes, Config(**args.config), args.reps, skip, args.mgpu_config)
   if args.out:

@@ -106,25 +106,60 @@ def test_counts_and_max_match_oracle(case):
   np.testing.assert_array_equal(tied[kind == 2], nan_seen[kind == 2])
 
 
-def _export(T, H, D, **config):
-  args = (jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((T, D), jnp.bfloat16),
-          jax.ShapeDtypeStruct((T, H), jnp.float32), jax.ShapeDtypeStruct((T,), jnp.float32))
-  return export_for_h200(lambda q, k, w, t: score_counts_mgpu(q, k, w, t, scale=D**-0.5, **config), *args)
+def test_segments_see_only_their_own_keys():
+  """Packed documents (segment ids, with a padding run of 0 and a segment that comes back later): every
+  row's counts, max, mask and visible count equal the oracle's over the causal keys of its segment."""
+  Tq = Tk = 72
+  seg = np.repeat([1, 2, 3, 0, 2], [20, 25, 9, 10, 8]).astype(np.int32)  # segment 2 twice: ids, not runs
+  seen = _visible(Tq, Tk) & (seg[:, None] == seg[None, :])
+  q, k, w, threshold, kind = _inputs(Tq, Tk, 8, 64, False, seen, seed=3)
+  want_above, want_tied, want_max, score = _oracle(q, k, w, threshold, _SCALE, seen)
+  fn = jax.jit(lambda *a: score_counts_mgpu(*a[:4], scale=_SCALE, segment_ids=a[4:], block_q=2, block_k=64, stages=2,
+                                            emit_mask=True))
+  above, tied, best, mask, visible = (np.asarray(x) for x in jax.block_until_ready(fn(
+      jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(w, jnp.float32),
+      jnp.asarray(threshold, jnp.float32), jnp.asarray(seg), jnp.asarray(seg))))
+  np.testing.assert_array_equal(visible, seen.sum(1))
+  np.testing.assert_array_equal(above, want_above)
+  np.testing.assert_array_equal(tied, want_tied)
+  np.testing.assert_array_equal(best, want_max.astype(np.float32))
+  causal = _visible(Tq, Tk)
+  t = threshold[:, None]
+  want_mask = np.where(seen, np.where(score > t, 2, np.where(score == t, 1, 0)), 0)
+  np.testing.assert_array_equal(mask[:, :Tk][causal], want_mask[causal])  # other segments' keys unmarked
+  assert (mask[:, :Tk][causal & ~seen] == 0).all() and (want_mask[causal & ~seen] == 0).all()
+  assert ((score > t) & causal & ~seen).any()  # keys of other segments that would have been marked
+  assert (tied[kind == 0] > 1).any()  # the ReLU plateau tied at the threshold 0
 
 
-@pytest.mark.parametrize("block_q, block_k, stages, pingpong, emit_mask", [
-    (4, 64, 4, False, False), (4, 64, 4, True, False), (2, 128, 2, False, False), (1, 64, 2, True, False),
-    (4, 64, 2, False, True)])
-def test_lowers_for_h200(block_q, block_k, stages, pingpong, emit_mask, fake_hopper):
+def test_segment_ids_are_checked():
+  q, k = jnp.zeros((8, 8, 64), jnp.bfloat16), jnp.zeros((16, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="segment_ids shapes"):
+    score_counts_mgpu(q, k, jnp.zeros((8, 8)), jnp.zeros(8), scale=1.0,
+                      segment_ids=(jnp.zeros(8, jnp.int32), jnp.zeros(8, jnp.int32)))
+
+
+def _export(T, H, D, segments=False, **config):
+  args = [jax.ShapeDtypeStruct((T, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((T, D), jnp.bfloat16),
+          jax.ShapeDtypeStruct((T, H), jnp.float32), jax.ShapeDtypeStruct((T,), jnp.float32)]
+  args += [jax.ShapeDtypeStruct((T,), jnp.int32)] * (2 * segments)
+  return export_for_h200(lambda q, k, w, t, *seg: score_counts_mgpu(q, k, w, t, scale=D**-0.5,
+                                                                    segment_ids=seg or None, **config), *args)
+
+
+@pytest.mark.parametrize("block_q, block_k, stages, pingpong, emit_mask, segments", [
+    (4, 64, 4, False, False, False), (4, 64, 4, True, False, False), (2, 128, 2, False, False, False),
+    (1, 64, 2, True, False, False), (4, 64, 2, False, True, False), (4, 64, 2, False, True, True)])
+def test_lowers_for_h200(block_q, block_k, stages, pingpong, emit_mask, segments, fake_hopper):
   """DeepSeek-V3.2's indexer shape (H 64, D 128) at 16K: Mosaic GPU lowers the kernel (column slices of
-  the accumulator, the quad-local head sum with no reduction scratch, TMA, the mask's tile stores) and
-  its shared memory fits."""
+  the accumulator, the quad-local head sum with no reduction scratch, TMA, the mask's tile stores, the
+  key tiles' segment ids in the row layout) and its shared memory fits."""
   T = 16384
-  exported = _export(T, 64, 128, block_q=block_q, block_k=block_k, stages=stages, pingpong=pingpong,
+  exported = _export(T, 64, 128, segments, block_q=block_q, block_k=block_k, stages=stages, pingpong=pingpong,
                      emit_mask=emit_mask)
   assert len(re.findall(r"custom_call @mosaic_gpu", exported.mlir_module())) == 1
-  assert [tuple(a.shape) for a in exported.out_avals] == [(T,)] * 3 + [(T, T)] * emit_mask
-  assert mgpu_scores.smem_bytes(block_q, 64, block_k, stages, 128, emit_mask) <= mgpu_scores.SMEM_LIMIT
+  assert [tuple(a.shape) for a in exported.out_avals] == [(T,)] * 3 + [(T, T)] * emit_mask + [(T,)] * segments
+  assert mgpu_scores.smem_bytes(block_q, 64, block_k, stages, 128, emit_mask, segments) <= mgpu_scores.SMEM_LIMIT
 
 
 def test_smem_estimate_is_mosaics(monkeypatch, fake_hopper):

@@ -85,25 +85,27 @@ _MOSAIC = Config(block_rows=16, block_k=8, candidates=16, min_candidates=16, sam
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "compress_ratio", "config"))
-def _run(q, k, w, q_offset, *, topk, compress_ratio, config):
+def _run(q, k, w, q_offset, segment_ids=None, *, topk, compress_ratio, config):
   return flash_topk_pallas_with_stats(q, k, w, topk=topk, compress_ratio=compress_ratio, q_offset=q_offset,
-                                      scale=0.5, config=config, interpret=True)
+                                      segment_ids=segment_ids, scale=0.5, config=config, interpret=True)
 
 
 def _bits(x):
   return np.asarray(x).view(np.uint32)  # -0 and +0 differ
 
 
-@pytest.mark.parametrize("T, q_offset, compress_ratio, chunk_bytes", [
-    (48, 0, 1, 1 << 30),
-    (48, 21, 2, 1 << 30),
+@pytest.mark.parametrize("T, q_offset, compress_ratio, chunk_bytes, packed", [
+    (48, 0, 1, 1 << 30, False),
+    (48, 21, 2, 1 << 30, False),
     # Three query chunks of 16 rows (the last shifted back to end at T) and rows that see no key.
-    (40, 0, 2, 16 * 576),
+    (40, 0, 2, 16 * 576, False),
+    # Packed documents: each batch row its own segment layout, rows shorter than k at each start.
+    (48, 0, 1, 1 << 30, True),
 ])
-def test_mosaic_scorer_matches_the_oracle_and_the_triton_pass(T, q_offset, compress_ratio, chunk_bytes):
+def test_mosaic_scorer_matches_the_oracle_and_the_triton_pass(T, q_offset, compress_ratio, chunk_bytes, packed):
   """Integer inputs in {-1, 0, 1} (ties everywhere, rows and keys on the ReLU plateau, negative weights),
-  two batch rows, rows shorter than k near the start: the same bits as the float64 oracle and as the
-  Triton scorer, and the same stats."""
+  two batch rows, rows shorter than k near the start (and near each document's start when packed):
+  the same bits as the float64 oracle and as the Triton scorer, and the same stats."""
   rng = np.random.default_rng(5 + q_offset + T)
   B, H, D, topk = 2, 8, 32, 6
   q = rng.integers(-1, 2, (B, T, H, D)).astype(np.float32)
@@ -111,8 +113,12 @@ def test_mosaic_scorer_matches_the_oracle_and_the_triton_pass(T, q_offset, compr
   w = rng.integers(-2, 3, (B, T, H)).astype(np.float32)
   q[:, ::7] = 0.0
   w[:, 3::11] = -np.abs(w[:, 3::11]) - 1  # rows whose plateau keys sum to -0 before the fold
+  segment_ids = None
+  if packed:
+    seg = np.stack([np.repeat([1, 2, 3], [20, 3, T - 23]), np.repeat([5, 0, 7], [30, 2, T - 32])]).astype(np.int32)
+    segment_ids = (seg, seg)
   args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16),
-          jnp.int32(q_offset))
+          jnp.int32(q_offset), None if segment_ids is None else tuple(map(jnp.asarray, segment_ids)))
   config = dataclasses.replace(_MOSAIC, mosaic_chunk_bytes=chunk_bytes)
   assert config.candidate_slots(topk, T) == 16 < T
   jaxpr = str(jax.make_jaxpr(functools.partial(_run, topk=topk, compress_ratio=compress_ratio, config=config))(*args))
@@ -121,7 +127,7 @@ def test_mosaic_scorer_matches_the_oracle_and_the_triton_pass(T, q_offset, compr
   tri_idx, tri_sc, tri_stats = _run(*args, topk=topk, compress_ratio=compress_ratio,
                                     config=dataclasses.replace(config, scorer="triton"))
   want_idx, want_sc = topk_oracle(q.astype(np.float64), k.astype(np.float64), w.astype(np.float64), topk=topk,
-                                  compress_ratio=compress_ratio, q_offset=q_offset, segment_ids=None, scale=0.5)
+                                  compress_ratio=compress_ratio, q_offset=q_offset, segment_ids=segment_ids, scale=0.5)
   np.testing.assert_array_equal(np.asarray(got_idx), want_idx)
   np.testing.assert_array_equal(_bits(got_sc), _bits(want_sc.astype(np.float32) + np.float32(0)))
   np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(tri_idx))
@@ -131,6 +137,8 @@ def test_mosaic_scorer_matches_the_oracle_and_the_triton_pass(T, q_offset, compr
   assert int(got_stats["rescued"]) < B * T // 2  # the threshold held on most rows
   winners = want_sc[want_idx >= 0]
   assert (winners == 0).any() and len(np.unique(winners)) < len(winners)  # ties and the plateau were in play
+  if packed:  # a 3-token document: its rows hold at most 3 keys, then -1
+    assert (np.asarray(got_idx)[0, 20:23, 3:] == -1).all() and (np.asarray(got_idx)[0, 22, :3] >= 20).all()
   if q_offset == 0 and compress_ratio == 2:
     assert (np.asarray(got_idx)[:, 0] == -1).all()  # position 0 sees no compressed key
 
@@ -154,14 +162,14 @@ def test_mosaic_pass_lowers_for_h200(fake_hopper):
 
 def test_scorer_choice(fake_hopper):
   """"auto" scores on Mosaic only where it was measured faster: compiled, on Hopper, from 32K keys, bf16
-  without segments or key scales; "mosaic" asks for it wherever its inputs allow; a bad name is an error."""
+  without key scales (segments or not); "mosaic" asks for it wherever its inputs allow; a bad name is an error."""
   auto, mosaic, triton = Config(), Config(scorer="mosaic"), Config(scorer="triton")
-  on = lambda config, num_keys=131072, heads=64, dim=128, dtype=jnp.bfloat16, plain=True, interpret=False: (
-      config.scores_on_mosaic(num_keys, heads, dim, dtype, plain, interpret))
+  on = lambda config, num_keys=131072, heads=64, dim=128, dtype=jnp.bfloat16, scales=False, interpret=False: (
+      config.scores_on_mosaic(num_keys, heads, dim, dtype, segments=True, key_scales=scales, interpret=interpret))
   assert on(auto) and on(auto, heads=32) and on(auto, heads=4, dim=64)
   assert on(auto, num_keys=32768) and not on(auto, num_keys=32767) and not on(auto, num_keys=16384)
   assert not on(auto, interpret=True)
-  assert not on(auto, dtype=jnp.float8_e4m3fn) and not on(auto, plain=False)
+  assert not on(auto, dtype=jnp.float8_e4m3fn) and not on(auto, scales=True)
   # Past the kernel's limits the Triton pass takes it: 4 x 128 heads > 256 MMA columns; D 256 at 64
   # heads over the shared memory.
   assert not on(auto, heads=128) and not on(mosaic, heads=128) and not on(auto, dim=256)

@@ -89,8 +89,8 @@ class Config:
     scorer: who scores the main pass: "triton" (the kernel here, which lists its candidates as it
       goes), "mosaic" (Hopper's warpgroup MMA, `mgpu_scores`, which marks them in an int8 mask that
       `candidates_from_mask` lists and `index_scores_at_prefix` rescores: `mosaic_pass`), or "auto"
-      (see `scores_on_mosaic`). The Mosaic pass takes bf16 inputs without segments or per-key
-      scales (fp8); others take the Triton pass.
+      (see `scores_on_mosaic`). The Mosaic pass takes bf16 inputs without per-key scales (fp8);
+      others take the Triton pass.
     mosaic_block_q, mosaic_block_k, mosaic_stages: the Mosaic pass's queries per CTA, keys per
       consumer warpgroup and key steps in flight (`score_counts_mgpu`).
     mosaic_chunk_bytes: the Mosaic pass's working memory per query chunk (mask and buffers); larger
@@ -142,25 +142,26 @@ class Config:
     slots = self.candidates or max(self.min_candidates, next_power_of_two(4 * topk))
     return min(slots, next_power_of_two(num_keys))
 
-  def scores_on_mosaic(self, num_keys: int, num_heads: int, head_dim: int, dtype,
-                       without_segments_or_key_scales: bool, interpret: bool) -> bool:
+  def scores_on_mosaic(self, num_keys: int, num_heads: int, head_dim: int, dtype, *, segments: bool,
+                       key_scales: bool, interpret: bool) -> bool:
     """Whether the main pass scores on Mosaic GPU (`mosaic_pass`).
 
-    "mosaic" takes it wherever the inputs allow (bf16, no segments or per-key scales, heads and head
-    dim within the kernel's MMA columns and shared memory); "auto" only where it was measured faster:
-    compiled, on Hopper, from `mosaic_min_keys` keys.
+    "mosaic" takes it wherever the inputs allow (bf16, no per-key scales, heads and head dim within
+    the kernel's MMA columns and shared memory); "auto" only where it was measured faster: compiled,
+    on Hopper, from `mosaic_min_keys` keys.
 
     Args:
       num_keys, num_heads, head_dim: Tk, H and D.
       dtype: q's and k's dtype.
-      without_segments_or_key_scales: the Mosaic pass takes neither.
+      segments: whether segment ids come (packed documents; the kernel then keeps a fourth partial).
+      key_scales: whether per-key scales come (fp8), which the Mosaic pass does not take.
       interpret: whether the kernels run in interpret mode.
     """
     from pallas_kernels.flash_topk import mgpu_scores  # noqa: PLC0415 - keeps this module free of Mosaic GPU
 
-    if (self.scorer == "triton" or dtype != jnp.bfloat16 or not without_segments_or_key_scales
+    if (self.scorer == "triton" or dtype != jnp.bfloat16 or key_scales
         or not mgpu_scores.fits(num_heads, head_dim, block_q=self.mosaic_block_q, block_k=self.mosaic_block_k,
-                                stages=self.mosaic_stages, emit_mask=True)):
+                                stages=self.mosaic_stages, emit_mask=True, segments=segments)):
       return False
     if self.scorer == "mosaic":
       return True

@@ -5,9 +5,10 @@ and a per-row threshold f32[Tq], the DeepSeek-V3.2 lightning-indexer score
 
   score[t, s] = scale * sum_h w[t, h] * relu(<q[t, h], k[s]>)      (f32; -0 -> +0, NaN -> -inf)
 
-over the causally visible keys, reduced per row to `n_above` (#score > threshold), `n_tied`
-(#score == threshold) and `max_score` (-inf for a row that sees no key), and with `emit_mask` an int8
-per (query, key) saying which side of the threshold the key is on. The arithmetic is the Triton main
+over the causally visible keys (with segment ids, only the keys of the query's segment), reduced per
+row to `n_above` (#score > threshold), `n_tied` (#score == threshold) and `max_score` (-inf for a row
+that sees no key), with segments also `n_visible`, and with `emit_mask` an int8 per (query, key)
+saying which side of the threshold the key is on. The arithmetic is the Triton main
 pass's (`flash_topk.py`, `_candidates_kernel`): f32 products, head sum, then `scale`.
 
 Why: the Pallas-Triton main pass tops out near 430 TFLOP/s on the H200 even with nothing to append;
@@ -41,8 +42,12 @@ as `attention_mgpu`), so one's epilogue runs under the other's MMA. Which is fas
 The mask: each consumer writes its [block_q, block_k] int8 tile to shared memory per step and TMA-stores
 it, double-buffered (before reusing a tile it waits until at most one store is still reading).
 
+Segments (packed documents): each consumer loads its key tile's segment ids in the accumulator's row
+layout and every step takes the visibility mask (no unmasked fast path), comparing them with the
+block's query segment ids, as the Triton pass does; a fourth partial counts each row's visible keys.
+
 Limits: bf16 q and k; block_q * H <= 256 (H padded to 8); block_k 64 or 128; shared memory
-(`smem_bytes`) within 227 KiB; no segments, one batch row. The
+(`smem_bytes`) within 227 KiB; one batch row. The
 wrapper pads D to a multiple of 64 (the 128-byte swizzle; zeros add nothing), H to a multiple of 8
 (zero weight), the queries to block_q (threshold +inf, sliced off) and the keys to 2 * block_k
 (masked). Off the GPU it runs in Mosaic GPU's interpret mode (warpgroups as threads, TMA and
@@ -67,15 +72,16 @@ _SWIZZLE_COLS = 64  # bf16 elements of a 128-byte swizzled row
 SMEM_LIMIT = 227 * 1024  # the H100/H200's shared memory per CTA (opt-in), as Mosaic GPU checks it
 
 
-def smem_bytes(block_q: int, heads: int, block_k: int, stages: int, dim: int, emit_mask: bool = False) -> int:
-  """Shared memory of one CTA: q's block, the key ring, the partial outputs, the mask's two tiles per
-  consumer (with `emit_mask`) and the barriers.
+def smem_bytes(block_q: int, heads: int, block_k: int, stages: int, dim: int, emit_mask: bool = False,
+               segments: bool = False) -> int:
+  """Shared memory of one CTA: q's block, the key ring, the partial outputs (a fourth, the visible
+  counts, with `segments`), the mask's two tiles per consumer (with `emit_mask`) and the barriers.
 
   `heads` and `dim` as padded (multiples of 8 and 64); bf16 operands. Matches Mosaic GPU's own count
   (e.g. 235584 bytes for block_q 2, block_k 128, 3 stages at H 64, D 128, which it rejects).
   """
   operands = 2 * dim * (block_q * heads + stages * _CONSUMERS * block_k)
-  partials = 3 * 4 * _CONSUMERS * block_q * block_k
+  partials = (4 if segments else 3) * 4 * _CONSUMERS * block_q * block_k
   masks = 2 * _CONSUMERS * block_q * block_k if emit_mask else 0  # two int8 tiles a consumer
   return operands + partials + masks + 8 * (2 + 2 * stages)
 
@@ -92,23 +98,30 @@ def _padded_heads_and_dim(num_heads: int, head_dim: int) -> tuple[int, int]:
   return -(-num_heads // 8) * 8, -(-head_dim // _SWIZZLE_COLS) * _SWIZZLE_COLS
 
 
-def fits(num_heads: int, head_dim: int, *, block_q: int, block_k: int, stages: int, emit_mask: bool = False) -> bool:
+def fits(num_heads: int, head_dim: int, *, block_q: int, block_k: int, stages: int, emit_mask: bool = False,
+         segments: bool = False) -> bool:
   """Whether `score_counts_mgpu` takes H heads of dim D with these blocks (MMA columns, shared memory)."""
   heads, dim = _padded_heads_and_dim(num_heads, head_dim)
   return (block_k in (64, 128) and stages >= 2 and 1 <= block_q and block_q * heads <= 256
-          and smem_bytes(block_q, heads, block_k, stages, dim, emit_mask) <= SMEM_LIMIT)
+          and smem_bytes(block_q, heads, block_k, stages, dim, emit_mask, segments) <= SMEM_LIMIT)
 
 
-def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, above_gmem, tied_gmem, max_gmem,
-                         *mask_gmem, block_q, heads, block_k, stages, num_keys, compress_ratio, scale,
-                         consumer_registers, producer_registers, pingpong):
+def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, *refs, block_q, heads, block_k, stages,
+                         num_keys, compress_ratio, scale, consumer_registers, producer_registers, pingpong,
+                         emit_mask, segments):
   # Inputs: q_offset i32 [1] (row 0's position), q [Tq_pad * H, D] (a query's H head rows together),
-  # k [Tk_pad, D] (a multiple of 2 block_k rows), w f32 [Tq_pad * H], t f32 [Tq_pad].
+  # k [Tk_pad, D] (a multiple of 2 block_k rows), w f32 [Tq_pad * H], t f32 [Tq_pad]; with segments
+  # q_seg i32 [Tq_pad] and kv_seg i32 [Tk_pad].
   # Outputs, per query block: above, tied i32 and max f32 [n_blocks, 2, block_q, block_k], one entry per
   # (consumer, query, key row of the consumer's tile), reduced by the caller; with a mask, int8
   # [Tq_pad, Tk_pad]: 2 where a visible key scores above the row's threshold, 1 where it ties, 0 at the
-  # other keys of the steps the block computes (later keys, invisible to the whole block, unwritten).
-  emit_mask = bool(mask_gmem)
+  # other keys of the steps the block computes (later keys, invisible to the whole block, unwritten);
+  # with segments, the visible counts i32 [n_blocks, 2, block_q, block_k].
+  refs = list(refs)
+  q_seg_gmem, kv_seg_gmem = (refs.pop(0), refs.pop(0)) if segments else (None, None)
+  above_gmem, tied_gmem, max_gmem = refs[:3]
+  mask_gmem = [refs[3]] if emit_mask else []
+  seen_gmem = refs[-1] if segments else None
   n_blocks = above_gmem.shape[0]
   cols = block_q * heads
   step_keys = _CONSUMERS * block_k
@@ -118,9 +131,13 @@ def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, above_gm
   # Steps (of step_keys keys) holding a key visible to the block's last query; the steps before the
   # first query's edge see every key for every query of the block (no mask there).
   n_steps = pl.cdiv(keys_seen(first_pos + block_q - 1, compress_ratio, num_keys), step_keys)
-  n_unmasked = keys_seen(first_pos, compress_ratio, num_keys) // step_keys
+  # With segments every step compares segment ids (the mask everywhere).
+  n_unmasked = 0 if segments else keys_seen(first_pos, compress_ratio, num_keys) // step_keys
 
-  def body(q_smem, k_smem, above_smem, tied_smem, max_smem, q_bar, k_ready, k_free, schedule, *mask_smem):
+  def body(q_smem, k_smem, above_smem, tied_smem, max_smem, q_bar, k_ready, k_free, schedule, *scratch):
+    scratch = list(scratch)
+    mask_smem = [scratch.pop(0)] if emit_mask else []
+    seen_smem = scratch.pop(0) if segments else None
     wg = lax.axis_index("wg")
 
     def take_turns():  # with `pingpong`: the consumers' MMAs alternate, one's epilogue under the other's MMA
@@ -135,6 +152,7 @@ def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, above_gm
       weights = [plgpu.load(w_gmem.at[pl.ds((first_q + j) * heads, heads)], layout=plgpu.Layout.WGMMA.reduce(0),
                             optimized=False) for j in range(block_q)]
       thresholds = [t_gmem[first_q + j] for j in range(block_q)]
+      q_segs = [q_seg_gmem[first_q + j] for j in range(block_q)] if segments else None
       row = plgpu.Layout.WGMMA.reduce(1)
       key_iota = plgpu.broadcasted_iota(jnp.int32, (block_k,), 0, layout=row)
       plgpu.barrier_wait(q_bar)
@@ -153,22 +171,27 @@ def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, above_gm
         plgpu.barrier_arrive(k_free.at[slot])
         key0 = i * step_keys + wg * block_k
         k_pos = key0 + key_iota
+        if segments:  # this consumer's key rows' segment ids, in the scores' row layout
+          kv_segs = plgpu.load(kv_seg_gmem.at[pl.ds(key0, block_k)], layout=row, optimized=False)
         if emit_mask:  # the store issued two steps ago read this tile: let it finish
           tile = lax.rem(i, 2)
           plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         out = []
         for j in range(block_q):
-          above, tied, best = carry[j]
+          above, tied, best, *seen = carry[j]
           dots = acc[:, j * heads:(j + 1) * heads]  # query j's heads: [block_k, H]
           weighted = jnp.maximum(dots, 0.0) * lax.broadcast_in_dim(weights[j], dots.shape, [1])
           score = rank_folded(weighted.sum(axis=1) * scale)  # [block_k], the row layout: a reduction within quads
           is_above, is_tied = score > thresholds[j], score == thresholds[j]
           if masked:
             visible = key_visible(k_pos, first_pos + j, compress_ratio, num_keys)
+            if segments:
+              visible &= kv_segs == q_segs[j]
+              seen = [seen[0] + visible.astype(jnp.int32)]
             is_above, is_tied = is_above & visible, is_tied & visible
             score = jnp.where(visible, score, -jnp.inf)
           out.append((above + is_above.astype(jnp.int32), tied + is_tied.astype(jnp.int32),
-                      jnp.maximum(best, score)))
+                      jnp.maximum(best, score), *seen))
           if emit_mask:
             mask_smem[0][wg, tile, j] = (2 * is_above.astype(jnp.int32) + is_tied.astype(jnp.int32)).astype(jnp.int8)
         if emit_mask:
@@ -178,18 +201,21 @@ def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, above_gm
         return tuple(out)
 
       zeros = plgpu.layout_cast(jnp.zeros((block_k,), jnp.int32), row)
-      init = tuple((zeros, zeros, plgpu.layout_cast(jnp.full((block_k,), -jnp.inf, jnp.float32), row))
-                   for _ in range(block_q))
+      init = tuple((zeros, zeros, plgpu.layout_cast(jnp.full((block_k,), -jnp.inf, jnp.float32), row),
+                    *([zeros] if segments else [])) for _ in range(block_q))
       pl.when(wg == 1)(take_turns)  # consumer 1 starts a turn behind (as attention_mgpu's schedule barrier)
       carry = lax.fori_loop(0, n_unmasked, functools.partial(step, masked=False), init)
       carry = lax.fori_loop(n_unmasked, n_steps, functools.partial(step, masked=True), carry)
       pl.when(wg == 0)(take_turns)  # ... and consumer 0 ends one behind: both wait out every phase
-      for j, (above, tied, best) in enumerate(carry):
+      for j, (above, tied, best, *seen) in enumerate(carry):
         above_smem[wg, j] = above
         tied_smem[wg, j] = tied
         max_smem[wg, j] = best
+        if segments:
+          seen_smem[wg, j] = seen[0]
       plgpu.commit_smem()
-      for smem, gmem in ((above_smem, above_gmem), (tied_smem, tied_gmem), (max_smem, max_gmem)):
+      partials = [(above_smem, above_gmem), (tied_smem, tied_gmem), (max_smem, max_gmem)]
+      for smem, gmem in partials + ([(seen_smem, seen_gmem)] if segments else []):
         plgpu.copy_smem_to_gmem(smem.at[wg], gmem.at[qb, wg])
       plgpu.wait_smem_to_gmem(0)
 
@@ -227,6 +253,7 @@ def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, above_gm
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
       plgpu.Barrier(num_arrivals=_CONSUMERS),
       *([plgpu.SMEM((_CONSUMERS, 2, block_q, block_k), jnp.int8)] if emit_mask else []),
+      *([plgpu.SMEM((_CONSUMERS, block_q, block_k), jnp.int32)] if segments else []),
       collective_axes="wg",
   )
 
@@ -241,9 +268,9 @@ def _pad_axis(x, axis: int, multiple: int, value=0):
 
 
 def score_counts_mgpu(q, k, weights, threshold, *, scale: float, q_offset=0, compress_ratio: int = 1,
-                      block_q: int = 4, block_k: int = 64, stages: int = 3, consumer_registers: int = 232,
-                      producer_registers: int = 40, pingpong: bool = False, emit_mask: bool = False,
-                      interpret=None):
+                      segment_ids=None, block_q: int = 4, block_k: int = 64, stages: int = 3,
+                      consumer_registers: int = 232, producer_registers: int = 40, pingpong: bool = False,
+                      emit_mask: bool = False, interpret=None):
   """Per query row: how many visible keys score above and at its threshold, and its best score.
 
   Args:
@@ -255,6 +282,8 @@ def score_counts_mgpu(q, k, weights, threshold, *, scale: float, q_offset=0, com
     scale: multiplies each head sum.
     q_offset: i32 scalar (may be traced): the position of q's first row.
     compress_ratio: positions per key (static, >= 1).
+    segment_ids: None, or (q_seg int[Tq], kv_seg int[Tk]): a query sees only the keys of its own
+      segment (packed documents), as `flash_topk`'s segment_ids.
     block_q: queries per CTA; block_q * H (H padded to a multiple of 8) must be <= 256, the MMA's N.
     block_k: keys per consumer warpgroup per step, 64 or 128 (the MMA's M).
     stages: key steps in flight (>= 2), within shared memory (`smem_bytes`).
@@ -267,9 +296,10 @@ def score_counts_mgpu(q, k, weights, threshold, *, scale: float, q_offset=0, com
       `plgpu.InterpretGPUParams`.
 
   Returns:
-    (n_above i32[Tq], n_tied i32[Tq], max_score f32[Tq]), and with `emit_mask` a fourth,
+    (n_above i32[Tq], n_tied i32[Tq], max_score f32[Tq]); with `emit_mask` then
     int8[Tq, Tk_pad] (Tk padded to 2 * block_k): at each visible key 2 where its score is above the
-    row's threshold, 1 where it equals it, else 0; unspecified at invisible keys. Scores accumulate
+    row's threshold, 1 where it equals it, else 0; 0 at the keys of other segments; unspecified at
+    causally invisible keys; with `segment_ids` last n_visible i32[Tq], the keys each row sees. Scores accumulate
     in f32 (products, head sum, then scale, as `index_scores`); max_score is -inf for a row that sees
     no key, and a row's NaN scores count as -inf.
 
@@ -294,10 +324,15 @@ def score_counts_mgpu(q, k, weights, threshold, *, scale: float, q_offset=0, com
     raise ValueError(f"{stages=} must be >= 2.")
   if compress_ratio < 1:
     raise ValueError(f"{compress_ratio=} must be >= 1.")
+  segments = segment_ids is not None
+  if segments:
+    q_seg, kv_seg = segment_ids
+    if q_seg.shape != (Tq,) or kv_seg.shape != (Tk,):
+      raise ValueError(f"segment_ids shapes {q_seg.shape} and {kv_seg.shape} must be {(Tq,)} and {(Tk,)}.")
   heads, dim = _padded_heads_and_dim(H, D)
   if block_q < 1 or block_q * heads > 256:
     raise ValueError(f"{block_q=} times {heads} heads (H={H} padded to 8) must be 1 to 256 MMA columns.")
-  if (need := smem_bytes(block_q, heads, block_k, stages, dim, emit_mask)) > SMEM_LIMIT:
+  if (need := smem_bytes(block_q, heads, block_k, stages, dim, emit_mask, segments)) > SMEM_LIMIT:
     raise ValueError(f"{stages=} key steps of {_CONSUMERS * block_k} x {dim} beside q's {block_q * heads} x {dim} "
                      f"need {need} bytes of shared memory, over {SMEM_LIMIT}.")
   if interpret is None:
@@ -309,18 +344,22 @@ def score_counts_mgpu(q, k, weights, threshold, *, scale: float, q_offset=0, com
   k = _pad_axis(_pad_axis(k, 1, _SWIZZLE_COLS), 0, _CONSUMERS * block_k)
   weights = _pad_axis(_pad_axis(weights.astype(jnp.float32), 1, 8), 0, block_q)  # padded heads weigh 0
   threshold = _pad_axis(threshold.astype(jnp.float32), 0, block_q, value=jnp.inf)
+  # Padded queries (threshold +inf) and keys (past num_keys, never visible) take segment -1.
+  seg_operands = [_pad_axis(q_seg.astype(jnp.int32), 0, block_q, value=-1),
+                  _pad_axis(kv_seg.astype(jnp.int32), 0, _CONSUMERS * block_k, value=-1)] if segments else []
   Tq_pad = q.shape[0]
   n_blocks = Tq_pad // block_q
   kernel = functools.partial(
       _score_counts_kernel, block_q=block_q, heads=heads, block_k=block_k, stages=stages, num_keys=Tk,
       compress_ratio=int(compress_ratio), scale=float(scale), consumer_registers=consumer_registers,
-      producer_registers=producer_registers, pingpong=pingpong)
+      producer_registers=producer_registers, pingpong=pingpong, emit_mask=emit_mask, segments=segments)
   part = (n_blocks, _CONSUMERS, block_q, block_k)
   mask_type = [jax.ShapeDtypeStruct((Tq_pad, k.shape[0]), jnp.int8)] if emit_mask else []
-  above, tied, best, *mask = plgpu.kernel(
+  seen_type = [jax.ShapeDtypeStruct(part, jnp.int32)] if segments else []
+  above, tied, best, *rest = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(part, jnp.int32), jax.ShapeDtypeStruct(part, jnp.int32),
-                jax.ShapeDtypeStruct(part, jnp.float32), *mask_type),
+                jax.ShapeDtypeStruct(part, jnp.float32), *mask_type, *seen_type),
       grid=(n_blocks,),
       grid_names=("qb",),
       num_threads=_CONSUMERS + 1,
@@ -329,7 +368,12 @@ def score_counts_mgpu(q, k, weights, threshold, *, scale: float, q_offset=0, com
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
       interpret=interpret,
       kernel_name="hyscale_flash_topk_score_counts",
-  )(jnp.asarray(q_offset, jnp.int32).reshape(1), q.reshape(Tq_pad * heads, dim), k, weights.reshape(-1), threshold)
+  )(jnp.asarray(q_offset, jnp.int32).reshape(1), q.reshape(Tq_pad * heads, dim), k, weights.reshape(-1), threshold,
+    *seg_operands)
   per_row = lambda x, reduce: reduce(x, axis=(1, 3)).reshape(Tq_pad)[:Tq]
-  counts = per_row(above, jnp.sum), per_row(tied, jnp.sum), per_row(best, jnp.max)
-  return (*counts, mask[0][:Tq]) if emit_mask else counts
+  outs = [per_row(above, jnp.sum), per_row(tied, jnp.sum), per_row(best, jnp.max)]
+  if emit_mask:
+    outs.append(rest.pop(0)[:Tq])
+  if segments:
+    outs.append(per_row(rest.pop(0), jnp.sum))
+  return tuple(outs)

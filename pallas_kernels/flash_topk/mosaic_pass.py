@@ -21,6 +21,9 @@ order gives the same bits and the result is exactly the Triton pass's (tests/tes
 The rescored scores get the main pass's two folds (-0 to +0, NaN to -inf), so the finish ranks the
 same values either pass would give it.
 
+Segments (packed documents) are the mark kernel's: it leaves keys of other segments unmarked and
+counts each row's visible keys, so the listing and the rescoring need nothing more.
+
 Memory: the mask of a query chunk, [chunk, Tk] int8, beside the candidate buffers; `_select` sizes
 the chunks for both (`Config.mosaic_chunk_bytes`).
 """
@@ -46,13 +49,14 @@ def mask_bytes_per_row(num_keys: int, config: Config) -> int:
 
 def flash_topk_candidates_mosaic(q, k, weights, threshold, *, q_offset, segment_ids, topk, compress_ratio, scale,
                                  slots, config: Config, interpret: bool, key_scale=None) -> Candidates:
-  """`flash_topk_candidates` for bf16 q [B, Tq, H, D] and k [B, Tk, D] without segments or key scales.
+  """`flash_topk_candidates` for bf16 q [B, Tq, H, D] and k [B, Tk, D] without key scales.
 
-  Args and returns as `flash_topk_candidates` (weights None means all ones); `segment_ids` and
-  `key_scale` must be None (`Config.scores_on_mosaic` sends those to the Triton pass).
+  Args and returns as `flash_topk_candidates` (weights None means all ones; segment_ids None or
+  (q_seg int[B, Tq], kv_seg int[B, Tk])); `key_scale` must be None (`Config.scores_on_mosaic` sends
+  fp8's key scales to the Triton pass).
   """
-  if segment_ids is not None or key_scale is not None:
-    raise ValueError("The Mosaic main pass takes no segment_ids and no key_scale: use Config(scorer='triton').")
+  if key_scale is not None:
+    raise ValueError("The Mosaic main pass takes no key_scale (fp8): use Config(scorer='triton').")
   B, Tq, H, _ = q.shape
   Tk = k.shape[1]
   tie_slots = next_power_of_two(min(topk, Tk))
@@ -61,15 +65,22 @@ def flash_topk_candidates_mosaic(q, k, weights, threshold, *, q_offset, segment_
   # Whole listing programs: padded here, the mask is neither sliced by the kernel's wrapper nor padded
   # again by the listing (a copy of [Tq, Tk] bytes); padded rows (threshold +inf) are sliced off below.
   extra = -Tq % COMPACTION_ROWS
+  q_seg, kv_seg = (None, None) if segment_ids is None else segment_ids
   if extra:
     q, weights = (jnp.pad(x, ((0, 0), (0, extra)) + ((0, 0),) * (x.ndim - 2)) for x in (q, weights))
     threshold = jnp.pad(threshold, ((0, 0), (0, extra)), constant_values=jnp.inf)
-  rows = []
+    if q_seg is not None:
+      q_seg = jnp.pad(q_seg, ((0, 0), (0, extra)), constant_values=-1)
+  rows, visible = [], []
   for b in range(B):  # Mosaic's kernel takes one batch row; long-context batches hold one or a few
-    *_, mask = score_counts_mgpu(q[b], k[b], weights[b], threshold[b], scale=scale, q_offset=q_offset,
-                                 compress_ratio=compress_ratio, block_q=config.mosaic_block_q,
-                                 block_k=config.mosaic_block_k, stages=config.mosaic_stages, emit_mask=True,
-                                 interpret=interpret)
+    marked = score_counts_mgpu(q[b], k[b], weights[b], threshold[b], scale=scale, q_offset=q_offset,
+                               compress_ratio=compress_ratio,
+                               segment_ids=None if q_seg is None else (q_seg[b], kv_seg[b]),
+                               block_q=config.mosaic_block_q, block_k=config.mosaic_block_k,
+                               stages=config.mosaic_stages, emit_mask=True, interpret=interpret)
+    mask = marked[3]
+    if q_seg is not None:
+      visible.append(marked[4][:Tq])
     idx, tie_idx, n_above, n_tied = candidates_from_mask(mask, q_offset, num_keys=Tk, compress_ratio=compress_ratio,
                                                     slots=slots, tie_slots=tie_slots, block_q=COMPACTION_ROWS,
                                                     interpret=interpret)
@@ -78,6 +89,9 @@ def flash_topk_candidates_mosaic(q, k, weights, threshold, *, q_offset, segment_
                                     interpret=interpret)[0]
     rows.append((idx, rank_folded(scores), tie_idx, n_above, n_tied))
   idx, scores, tie_idx, n_above, n_tied = (jnp.stack(x)[:, :Tq] for x in zip(*rows))
-  positions = jnp.asarray(q_offset, jnp.int32) + jnp.arange(Tq, dtype=jnp.int32)
-  n_vis = jnp.broadcast_to(keys_seen(positions, compress_ratio, Tk), (B, Tq))
+  if visible:
+    n_vis = jnp.stack(visible)
+  else:
+    positions = jnp.asarray(q_offset, jnp.int32) + jnp.arange(Tq, dtype=jnp.int32)
+    n_vis = jnp.broadcast_to(keys_seen(positions, compress_ratio, Tk), (B, Tq))
   return Candidates(idx, scores, tie_idx, n_above, n_tied, n_vis)

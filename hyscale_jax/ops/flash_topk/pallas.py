@@ -107,7 +107,8 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_r
   # shares with the previous chunk are recomputed identically), so q is never padded or copied.
   # Equal chunks keep that overlap under block_q rows per chunk; the largest chunk under the budget left
   # 3,604 of 131,072 rows (the costliest, last causal rows) to be scored twice.
-  mosaic = config.scores_on_mosaic(Tk, H, q.shape[3], q.dtype, q_seg is None and k_scale is None, interpret)
+  mosaic = config.scores_on_mosaic(Tk, H, q.shape[3], q.dtype, segments=q_seg is not None,
+                                   key_scales=k_scale is not None, interpret=interpret)
   main_pass = mosaic_pass.flash_topk_candidates_mosaic if mosaic else flash_topk_candidates
   chunk, _ = _query_chunk(B, Tq, Tk, H, topk, config, mosaic)
   rows = lambda x, start: None if x is None else jax.lax.dynamic_slice_in_dim(x, start, chunk, 1)
@@ -150,13 +151,14 @@ def _query_chunk(B, Tq, Tk, H, topk, config, mosaic):
 
 
 def working_bytes(batch: int, num_queries: int, num_keys: int, num_heads: int, head_dim: int, dtype, topk: int,
-                  config: Config | None = None) -> int:
+                  config: Config | None = None, segments: bool = True) -> int:
   """Bytes of the main pass's buffers for one query chunk (what `flash_topk(backend="pallas")` holds
   besides its inputs and outputs), for q [batch, num_queries, num_heads, head_dim] of `dtype` over
-  `num_keys` keys without segments or key scales: capped by `Config.chunk_bytes`, or by
-  `Config.mosaic_chunk_bytes` where the pass scores on Mosaic GPU here."""
+  `num_keys` keys without key scales (with segment ids unless `segments` is False): capped by
+  `Config.chunk_bytes`, or by `Config.mosaic_chunk_bytes` where the pass scores on Mosaic GPU here."""
   config = config or Config()
-  mosaic = config.scores_on_mosaic(num_keys, num_heads, head_dim, jnp.dtype(dtype), True, interpret=False)
+  mosaic = config.scores_on_mosaic(num_keys, num_heads, head_dim, jnp.dtype(dtype), segments=segments,
+                                   key_scales=False, interpret=False)
   return _query_chunk(batch, num_queries, num_keys, num_heads, topk, config, mosaic)[1]
 
 
