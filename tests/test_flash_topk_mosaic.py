@@ -99,8 +99,10 @@ def _bits(x):
     (48, 21, 2, 1 << 30, False),
     # Three query chunks of 16 rows (the last shifted back to end at T) and rows that see no key.
     (40, 0, 2, 16 * 576, False),
-    # Packed documents: each batch row its own segment layout, rows shorter than k at each start.
-    (48, 0, 1, 1 << 30, True),
+    # Packed documents: each batch row its own segment layout, rows shorter than k at each start; rows
+    # padded to the listing's 16 (40 -> 48); then with an offset, compressed keys and three chunks.
+    (40, 0, 1, 1 << 30, True),
+    (40, 5, 2, 16 * 576, True),
 ])
 def test_mosaic_scorer_matches_the_oracle_and_the_triton_pass(T, q_offset, compress_ratio, chunk_bytes, packed):
   """Integer inputs in {-1, 0, 1} (ties everywhere, rows and keys on the ReLU plateau, negative weights),
@@ -137,7 +139,7 @@ def test_mosaic_scorer_matches_the_oracle_and_the_triton_pass(T, q_offset, compr
   assert int(got_stats["rescued"]) < B * T // 2  # the threshold held on most rows
   winners = want_sc[want_idx >= 0]
   assert (winners == 0).any() and len(np.unique(winners)) < len(winners)  # ties and the plateau were in play
-  if packed:  # a 3-token document: its rows hold at most 3 keys, then -1
+  if packed and q_offset == 0 and compress_ratio == 1:  # a 3-token document: its rows hold at most 3 keys
     assert (np.asarray(got_idx)[0, 20:23, 3:] == -1).all() and (np.asarray(got_idx)[0, 22, :3] >= 20).all()
   if q_offset == 0 and compress_ratio == 2:
     assert (np.asarray(got_idx)[:, 0] == -1).all()  # position 0 sees no compressed key
@@ -170,6 +172,7 @@ def test_scorer_choice(fake_hopper):
   assert on(auto, num_keys=32768) and not on(auto, num_keys=32767) and not on(auto, num_keys=16384)
   assert not on(auto, interpret=True)
   assert not on(auto, dtype=jnp.float8_e4m3fn) and not on(auto, scales=True)
+  assert auto.scores_on_mosaic(131072, 64, 128, jnp.bfloat16, segments=False, key_scales=False, interpret=False)
   # Past the kernel's limits the Triton pass takes it: 4 x 128 heads > 256 MMA columns; D 256 at 64
   # heads over the shared memory.
   assert not on(auto, heads=128) and not on(mosaic, heads=128) and not on(auto, dim=256)

@@ -101,8 +101,14 @@ def test_selection_working_memory_is_the_flash_topk_chunk_budget(monkeypatch):
   budget, mosaic_budget = Config().chunk_bytes, Config().mosaic_chunk_bytes
   # A short sequence holds every row's candidate buffers: 8 bytes a slot (4 x k slots, at most a
   # slot a key) and 4 a winner, k at most T.
+  monkeypatch.setattr(_hopper, "on_hopper", lambda: False)
   assert est(bf16, 1024) == 1024 * (8 * 1024 + 4 * 1024)
   assert budget // 2 < est(bf16, 1 << 17) <= budget  # off Hopper the Triton pass, capped
+  # Data shards: each device selects for its own batch rows (here one of two).
+  assert memory.estimate_training_memory(bf16, batch_size=2, seq_len=1024, data_shards=2, param_count=10**9).components[
+      "selection working memory"] == est(bf16, 1024)
+  assert memory.estimate_training_memory(bf16, batch_size=2, seq_len=1024, param_count=10**9).components[
+      "selection working memory"] == 2 * est(bf16, 1024)
   monkeypatch.setattr(_hopper, "on_hopper", lambda: True)
   assert mosaic_budget // 2 < est(bf16, 1 << 17) <= mosaic_budget  # from 32K keys, the Mosaic pass's mask
   assert budget // 2 < est(bf16, 1 << 14) <= budget

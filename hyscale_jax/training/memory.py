@@ -17,7 +17,10 @@ The estimate adds, per device:
 - with `model.sparse_attention_deterministic`, the backward's f32 contribution slabs (at most the
   kernel's `Config.chunk_bytes`, 1 GiB);
 - FlashTopK's main-pass working memory in a layer with an indexer: its query chunks are capped by a
-  byte budget, 256 MiB on the Triton pass and 1 GiB on the Mosaic GPU pass (Hopper, from 32K keys);
+  byte budget, 256 MiB on the Triton pass and 1 GiB on the Mosaic GPU pass (Hopper, from 32K keys).
+  A conservative term: under "selection_replay" the selection runs in the forward pass only, not
+  beside the backward's transients, and the fits below (2026-12-04/05) predate it; it adds at most
+  1 GiB, under 1.5% of the peaks they were fitted to;
 - the routed experts of one MoE layer's backward, for one token chunk (`model.moe_token_chunk`,
   all tokens when 0) of R = tokens x experts_per_token dispatched rows (`moe_expert_bytes`): with
   `ops.grouped_matmul`'s Hopper kernels, the rows and the experts' activations and their gradients,

@@ -96,12 +96,11 @@ class Config:
     mosaic_chunk_bytes: the Mosaic pass's working memory per query chunk (mask and buffers); larger
       than `chunk_bytes` because a chunk is one kernel launch, and at 128K keys 256 MiB chunks (1,296
       rows, 2.5 waves of CTAs on 132 SMs) took 433.9 ms against 337.4 ms with 1 GiB (bench/NOTES.md).
-    mosaic_min_keys: "auto" scores on Mosaic from this many keys on. On the H200, one call against the
-      Triton pass (unsorted, k 2048 unless said): 32K keys (V4's CSA at 128K tokens, k 512) 92.3
-      against 110.7 ms, 64K 87.4 against 104.2 (H 64) and 66.8 against 82.6 (H 32), 128K 322.0
-      against 316.4 once its keys-as-rows rescoring was in (337.4 against 401.4 before); 16K 9.8
-      against 8.5, where the rescoring of ~3,600 candidates a row costs almost half of the main
-      pass's FLOPs.
+    mosaic_min_keys: "auto" scores on Mosaic from this many keys on. On the H200, two calls of
+      2026-12-05 against the Triton pass (unsorted, k 2048 unless said): 32K keys (V4's CSA at 128K
+      tokens, k 512) 92.3 against 110.7 ms, 64K 87.4 against 104.2 (H 64) and 66.8 against 82.6
+      (H 32), 128K 337.4 against 401.4 (an earlier call); 16K 9.8 against 8.5, where the rescoring
+      of ~3,600 candidates a row costs almost half of the main pass's FLOPs.
   """
 
   block_rows: int | None = None

@@ -25,7 +25,8 @@ reserves no reduction scratch, so a cross-warp reduction would fail to lower). P
 static column slice `acc[:, j*H:(j+1)*H]` gets ReLU, the weights (a column vector broadcast along
 rows) and the sum: one score per key row, in the WGMMA row layout. Each thread keeps its rows'
 running counts and max per query across the key tiles; at the end the partials,
-[2 consumers, block_q, block_k] per CTA (1.5 KiB per query at block_k 64, a tenth of q's row),
+[2 consumers, block_q, block_k] per CTA (1.5 KiB per query at block_k 64, a tenth of q's row; 2 KiB
+with segments, whose visible counts are a fourth),
 go to global memory through shared memory and XLA sums them, instead of a cross-warp reduction
 here (whose shared scratch the two consumers would share).
 

@@ -42,9 +42,12 @@ from pallas_kernels.flash_topk.scores_at import index_scores_at_prefix
 COMPACTION_ROWS = 16  # rows per program of the listing step; query chunks are a multiple of it
 
 
-def mask_bytes_per_row(num_keys: int, config: Config) -> int:
-  """The mask's bytes per query row (keys padded to the Mosaic pass's step)."""
-  return padded_num_keys(num_keys, config.mosaic_block_k)
+def bytes_per_row(num_keys: int, config: Config, segments: bool) -> int:
+  """The mark kernel's outputs per query row: the mask (keys padded to the Mosaic pass's step) and the
+  per-row partials (above, tied, max and with segments the visible count: i32/f32 per consumer and key
+  row of a tile)."""
+  partials = (4 if segments else 3) * 4 * 2 * config.mosaic_block_k
+  return padded_num_keys(num_keys, config.mosaic_block_k) + partials
 
 
 def flash_topk_candidates_mosaic(q, k, weights, threshold, *, q_offset, segment_ids, topk, compress_ratio, scale,

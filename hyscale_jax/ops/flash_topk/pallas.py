@@ -110,7 +110,7 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_r
   mosaic = config.scores_on_mosaic(Tk, H, q.shape[3], q.dtype, segments=q_seg is not None,
                                    key_scales=k_scale is not None, interpret=interpret)
   main_pass = mosaic_pass.flash_topk_candidates_mosaic if mosaic else flash_topk_candidates
-  chunk, _ = _query_chunk(B, Tq, Tk, H, topk, config, mosaic)
+  chunk, _ = _query_chunk(B, Tq, Tk, H, topk, config, mosaic, segments=q_seg is not None)
   rows = lambda x, start: None if x is None else jax.lax.dynamic_slice_in_dim(x, start, chunk, 1)
 
   def chunk_topk(c, outs):
@@ -136,15 +136,15 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_r
   return indices, scores, stats
 
 
-def _query_chunk(B, Tq, Tk, H, topk, config, mosaic):
+def _query_chunk(B, Tq, Tk, H, topk, config, mosaic, segments):
   """(query rows per main-pass chunk, working bytes of one chunk): the candidate buffers (and the Mosaic
-  pass's mask) of a chunk stay under the pass's byte budget."""
+  pass's mask and partials) of a chunk stay under the pass's byte budget."""
   slots = config.candidate_slots(topk, Tk)
   block_q, budget = config.block_q(H), config.chunk_bytes
   row_bytes = B * (8 * slots + 4 * next_power_of_two(min(topk, Tk)))
   if mosaic:  # chunks of whole listing programs, with their mask
     block_q, budget = mosaic_pass.COMPACTION_ROWS, config.mosaic_chunk_bytes
-    row_bytes += B * mosaic_pass.mask_bytes_per_row(Tk, config)
+    row_bytes += B * mosaic_pass.bytes_per_row(Tk, config, segments)
   largest = min(Tq, max(block_q, budget // row_bytes // block_q * block_q))
   chunk = min(Tq, st.cdiv(st.cdiv(Tq, st.cdiv(Tq, largest)), block_q) * block_q)
   return chunk, chunk * row_bytes
@@ -159,7 +159,7 @@ def working_bytes(batch: int, num_queries: int, num_keys: int, num_heads: int, h
   config = config or Config()
   mosaic = config.scores_on_mosaic(num_keys, num_heads, head_dim, jnp.dtype(dtype), segments=segments,
                                    key_scales=False, interpret=False)
-  return _query_chunk(batch, num_queries, num_keys, num_heads, topk, config, mosaic)[1]
+  return _query_chunk(batch, num_queries, num_keys, num_heads, topk, config, mosaic, segments)[1]
 
 
 def _threshold(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_ratio, scale, slots,
