@@ -108,13 +108,14 @@ def test_counts_and_max_match_oracle(case):
 
 def test_segments_see_only_their_own_keys():
   """Packed documents (segment ids, with a padding run of 0 and a segment that comes back later): every
-  row's counts, max, mask and visible count equal the oracle's over the causal keys of its segment."""
-  Tq = Tk = 72
-  seg = np.repeat([1, 2, 3, 0, 2], [20, 25, 9, 10, 8]).astype(np.int32)  # segment 2 twice: ids, not runs
+  row's counts, max, mask and visible count equal the oracle's over the causal keys of its segment, and
+  CTAs whose queries' documents start later skip the key steps before them (no key there is visible)."""
+  Tq = Tk = 320  # 3 key steps of 128
+  seg = np.repeat([1, 2, 3, 0, 2], [100, 160, 30, 10, 20]).astype(np.int32)  # segment 2 twice: ids, not runs
   seen = _visible(Tq, Tk) & (seg[:, None] == seg[None, :])
   q, k, w, threshold, kind = _inputs(Tq, Tk, 8, 64, False, seen, seed=3)
   want_above, want_tied, want_max, score = _oracle(q, k, w, threshold, _SCALE, seen)
-  fn = jax.jit(lambda *a: score_counts_mgpu(*a[:4], scale=_SCALE, segment_ids=a[4:], block_q=2, block_k=64, stages=2,
+  fn = jax.jit(lambda *a: score_counts_mgpu(*a[:4], scale=_SCALE, segment_ids=a[4:], block_q=4, block_k=64, stages=2,
                                             emit_mask=True))
   above, tied, best, mask, visible = (np.asarray(x) for x in jax.block_until_ready(fn(
       jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(w, jnp.float32),
@@ -123,11 +124,14 @@ def test_segments_see_only_their_own_keys():
   np.testing.assert_array_equal(above, want_above)
   np.testing.assert_array_equal(tied, want_tied)
   np.testing.assert_array_equal(best, want_max.astype(np.float32))
-  causal = _visible(Tq, Tk)
+  first = np.asarray(mgpu_scores.first_scored_keys(jnp.asarray(seg), jnp.asarray(seg), block_q=4, block_k=64))
+  np.testing.assert_array_equal(first[[0, 150, 270, 295, 310]], [0, 0, 256, 256, 0])  # doc 3 and the 0s: step 2
+  scored = _visible(Tq, Tk) & (np.arange(Tk)[None, :] >= first[:, None])
+  assert not (seen & ~scored).any()  # the skipped keys hold none the rows see
   t = threshold[:, None]
   want_mask = np.where(seen, np.where(score > t, 2, np.where(score == t, 1, 0)), 0)
-  np.testing.assert_array_equal(mask[:, :Tk][causal], want_mask[causal])  # other segments' keys unmarked
-  assert ((score > t) & causal & ~seen).any()  # keys of other segments that would have been marked
+  np.testing.assert_array_equal(mask[:, :Tk][scored], want_mask[scored])  # other segments' keys unmarked
+  assert ((score > t) & scored & ~seen).any()  # keys of other segments that would have been marked
   assert (tied[kind == 0] > 1).any()  # the ReLU plateau tied at the threshold 0
 
 

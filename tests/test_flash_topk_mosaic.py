@@ -30,26 +30,36 @@ def _list_oracle(mask, visible, slots, tie_slots):
   return rows
 
 
-@pytest.mark.parametrize("Tq, Tk, q_offset, compress_ratio, slots", [
-    (40, 250, 7, 1, 8),  # rows past 16 per program (padded), a short last key tile, overflowing buffers
-    (16, 128, 100, 2, 64),  # compressed keys, an offset chunk: buffers wide enough
+@pytest.mark.parametrize("Tq, Tk, q_offset, compress_ratio, slots, with_first_keys", [
+    (40, 250, 7, 1, 8, False),  # rows past 16 per program (padded), a short last key tile, overflowing buffers
+    (16, 128, 100, 2, 64, False),  # compressed keys, an offset chunk: buffers wide enough
+    # Rows whose marking started later (bytes before their first key are garbage): whole tiles skipped
+    # by the program whose rows all start late, and rows of one program starting apart.
+    (40, 400, 300, 1, 128, True),
 ])
-def test_candidates_from_mask_lists_the_marked_visible_keys(Tq, Tk, q_offset, compress_ratio, slots):
+def test_candidates_from_mask_lists_the_marked_visible_keys(Tq, Tk, q_offset, compress_ratio, slots, with_first_keys):
   rng = np.random.default_rng(Tq)
   Tk_pad = -(-Tk // 128) * 128
   mask = rng.choice(np.array([0, 1, 2], np.int8), size=(Tq, Tk_pad), p=[0.6, 0.15, 0.25])
   visible = (np.arange(Tk_pad)[None, :] + 1) * compress_ratio <= np.arange(Tq)[:, None] + q_offset + 1
   visible &= np.arange(Tk_pad)[None, :] < Tk
+  first_keys = None
+  if with_first_keys:
+    first_keys = np.repeat([0, 256, 128, 256, 300, 0, 130, 384, 256, 5], 4).astype(np.int32)
+    visible &= np.arange(Tk_pad)[None, :] >= first_keys[:, None]
   tie_slots = 16
   fn = jax.jit(functools.partial(candidates_from_mask, num_keys=Tk, compress_ratio=compress_ratio, slots=slots,
                                  tie_slots=tie_slots, interpret=True))
-  idx, tie_idx, n_gt, n_eq = (np.asarray(x) for x in fn(jnp.asarray(mask), jnp.int32(q_offset)))
+  idx, tie_idx, n_gt, n_eq = (np.asarray(x) for x in fn(jnp.asarray(mask), jnp.int32(q_offset),
+                                                         first_keys=None if first_keys is None else jnp.asarray(first_keys)))
   assert idx.shape == (Tq, slots) and tie_idx.shape == (Tq, tie_slots)
   for t, (above, tied, n_above, n_tied) in enumerate(_list_oracle(mask, visible, slots, tie_slots)):
     assert (n_gt[t], n_eq[t]) == (n_above, n_tied), t
     np.testing.assert_array_equal(idx[t, :len(above)], above, err_msg=f"row {t}")
     np.testing.assert_array_equal(tie_idx[t, :len(tied)], tied, err_msg=f"row {t}")
   assert (n_gt > slots).any() == (slots == 8)  # the first case overflows: its counts keep growing
+  if with_first_keys:  # the rows starting late lost marked keys before their start (not listed)
+    assert ((mask == 2) & ~visible & (np.arange(Tk_pad)[None, :] < np.arange(Tq)[:, None] + q_offset + 1)).any()
 
 
 def test_candidates_from_mask_rejects_a_bad_mask():
@@ -57,6 +67,9 @@ def test_candidates_from_mask_rejects_a_bad_mask():
     candidates_from_mask(jnp.zeros((4, 128), jnp.int32), 0, num_keys=100, compress_ratio=1, slots=8, tie_slots=8)
   with pytest.raises(ValueError, match="multiple of block_k=128"):
     candidates_from_mask(jnp.zeros((4, 100), jnp.int8), 0, num_keys=100, compress_ratio=1, slots=8, tie_slots=8)
+  with pytest.raises(ValueError, match="first_keys.shape"):
+    candidates_from_mask(jnp.zeros((4, 128), jnp.int8), 0, num_keys=100, compress_ratio=1, slots=8, tie_slots=8,
+                         first_keys=jnp.zeros(3, jnp.int32))
 
 
 @pytest.mark.parametrize("keys_as_rows", [False, True])
@@ -96,13 +109,15 @@ def _bits(x):
 
 @pytest.mark.parametrize("T, q_offset, compress_ratio, chunk_bytes, packed", [
     (48, 0, 1, 1 << 30, False),
-    (48, 21, 2, 1 << 30, False),
+    # An offset chunk of compressed keys (CI time: the packed case below runs both, through segments).
+    pytest.param(48, 21, 2, 1 << 30, False, marks=pytest.mark.slow),
     # Three query chunks of 16 rows (the last shifted back to end at T) and rows that see no key.
     (40, 0, 2, 16 * 576, False),
-    # Packed documents: each batch row its own segment layout, rows shorter than k at each start; rows
-    # padded to the listing's 16 (40 -> 48); then with an offset, compressed keys and three chunks.
-    (40, 0, 1, 1 << 30, True),
+    # Packed documents: each batch row its own segment layout, rows shorter than k at each start; with
+    # an offset, compressed keys and three chunks; then rows padded to the listing's 16 (168 -> 176)
+    # and a document starting past the first key step (128 keys): its CTAs skip it, the listing too.
     (40, 5, 2, 16 * 576, True),
+    (168, 0, 1, 1 << 30, True),
 ])
 def test_mosaic_scorer_matches_the_oracle_and_the_triton_pass(T, q_offset, compress_ratio, chunk_bytes, packed):
   """Integer inputs in {-1, 0, 1} (ties everywhere, rows and keys on the ReLU plateau, negative weights),
@@ -117,7 +132,9 @@ def test_mosaic_scorer_matches_the_oracle_and_the_triton_pass(T, q_offset, compr
   w[:, 3::11] = -np.abs(w[:, 3::11]) - 1  # rows whose plateau keys sum to -0 before the fold
   segment_ids = None
   if packed:
-    seg = np.stack([np.repeat([1, 2, 3], [20, 3, T - 23]), np.repeat([5, 0, 7], [30, 2, T - 32])]).astype(np.int32)
+    late = [5, 0, 7, 8], [30, 2, 100, T - 132]  # document 8 starts at key 132
+    seg = np.stack([np.repeat([1, 2, 3], [20, 3, T - 23]),
+                    np.repeat(*late) if T > 132 else np.repeat([5, 0, 7], [30, 2, T - 32])]).astype(np.int32)
     segment_ids = (seg, seg)
   args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16),
           jnp.int32(q_offset), None if segment_ids is None else tuple(map(jnp.asarray, segment_ids)))

@@ -413,29 +413,51 @@ def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, to
                     tie_idx.reshape(B, Tq, tie_slots), n_gt, n_eq, n_vis)
 
 
-def _mask_candidates_kernel(q_offset_ref, mask_ref, cand_idx_ref, tie_idx_ref, n_above_ref, n_tied_ref, *,
-                            block_q, block_k, num_keys, compress_ratio, slots, tie_slots):
+def _mask_candidates_kernel(q_offset_ref, mask_ref, *refs, block_q, block_k, num_keys, compress_ratio, slots,
+                            tie_slots, has_first_keys):
   # Inputs: q_offset [1], mask int8 [block_q, Tk_pad] (2 above, 1 tied, else 0 at visible keys; anything
-  # at invisible ones). Outputs: candidate indices [block_q*slots], tie indices [block_q*tie_slots],
-  # n_above and n_tied [block_q].
+  # at invisible ones), with first keys [block_q] (each row's bytes before its first key unwritten).
+  # Outputs: candidate indices [block_q*slots], tie indices [block_q*tie_slots], n_above and n_tied [block_q].
+  refs = list(refs)
+  first = refs.pop(0)[...] if has_first_keys else None
+  cand_idx_ref, tie_idx_ref, n_above_ref, n_tied_ref = refs
   q_pos = q_offset_ref[0] + pl.program_id(0) * block_q + jax.lax.broadcasted_iota(jnp.int32, (block_q,), 0)
   n_tiles = (keys_seen(jnp.max(q_pos), compress_ratio, num_keys) + block_k - 1) // block_k
+  first_tile = jnp.min(first) // block_k if has_first_keys else 0
 
   def step(j, counts):
     k_pos = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     visible = key_visible(k_pos[None, :], q_pos[:, None], compress_ratio, num_keys)
+    if has_first_keys:
+      visible &= k_pos[None, :] >= first[:, None]
     tile = mask_ref[:, pl.ds(j * block_k, block_k)].astype(jnp.int32)
     return _append_tile((tile == 2) & visible, (tile == 1) & visible, k_pos, counts, (cand_idx_ref,), (),
                         tie_idx_ref, slots, tie_slots)
 
   zeros = jnp.zeros((block_q,), jnp.int32)
-  n_above, n_tied = jax.lax.fori_loop(0, n_tiles, step, (zeros, zeros))
+  n_above, n_tied = jax.lax.fori_loop(first_tile, n_tiles, step, (zeros, zeros))
   n_above_ref[...] = n_above
   n_tied_ref[...] = n_tied
 
 
+def segment_first_keys(q_seg, kv_seg):
+  """i32[Tq]: for each query, the first key whose segment id equals its own (Tk where none does).
+
+  Keys before it can be visible to no query of that segment, whatever the ids' layout (a document's
+  id may come back later): a scorer may skip them. One stable sort of kv_seg [Tk] and a search.
+  """
+  Tk = kv_seg.shape[0]
+  order = jnp.argsort(kv_seg, stable=True)  # equal ids keep key order: the first is the smallest index
+  ids = kv_seg[order]
+  at = jnp.searchsorted(ids, q_seg, side="left")
+  clipped = jnp.minimum(at, Tk - 1)
+  found = (at < Tk) & (ids[clipped] == q_seg)
+  return jnp.where(found, order[clipped], Tk).astype(jnp.int32)
+
+
 def candidates_from_mask(mask, q_offset, *, num_keys: int, compress_ratio: int, slots: int, tie_slots: int,
-                         block_q: int = 16, block_k: int = 128, num_warps: int = 4, interpret: bool = False):
+                         first_keys=None, block_q: int = 16, block_k: int = 128, num_warps: int = 4,
+                         interpret: bool = False):
   """The candidate buffers of a mask: each row's keys marked above, then tied, in key order.
 
   The compaction step of the Mosaic GPU main pass (`mgpu_scores.score_counts_mgpu(emit_mask=True)`
@@ -451,6 +473,9 @@ def candidates_from_mask(mask, q_offset, *, num_keys: int, compress_ratio: int, 
     num_keys: Tk, the keys that exist (the rest of each row is padding).
     compress_ratio: row t sees key s when (s+1) * compress_ratio <= q_offset + t + 1.
     slots, tie_slots: buffer widths (powers of two).
+    first_keys: None, or i32[Tq]: row t's mask bytes before key first_keys[t] are unwritten (the
+      scoring pass skipped keys no query of its block could see: other documents'); the program
+      starts at its rows' first and never takes a byte before a row's own.
     block_q, block_k: rows per program and keys per step (powers of two).
     num_warps: Triton warps per program.
     interpret: Pallas interpret mode (CPU).
@@ -468,17 +493,24 @@ def candidates_from_mask(mask, q_offset, *, num_keys: int, compress_ratio: int, 
   if Tq_pad != Tq:  # a short chunk only: a copy of its mask rows
     mask = jnp.pad(mask, ((0, Tq_pad - Tq), (0, 0)))
   per_row = lambda width: pl.BlockSpec((block_q * width,), lambda i: (i,))
+  extra_in, extra_specs = [], []
+  if first_keys is not None:
+    if first_keys.shape != (Tq,):
+      raise ValueError(f"first_keys.shape={first_keys.shape} must be {(Tq,)}, the mask's rows.")
+    extra_in = [jnp.pad(first_keys.astype(jnp.int32), (0, Tq_pad - Tq), constant_values=Tk_pad)]
+    extra_specs = [per_row(1)]
   idx, tie_idx, n_above, n_tied = pl.pallas_call(
       functools.partial(_mask_candidates_kernel, block_q=block_q, block_k=block_k, num_keys=num_keys,
-                        compress_ratio=compress_ratio, slots=slots, tie_slots=tie_slots),
+                        compress_ratio=compress_ratio, slots=slots, tie_slots=tie_slots,
+                        has_first_keys=first_keys is not None),
       out_shape=(jax.ShapeDtypeStruct((Tq_pad * slots,), jnp.int32),
                  jax.ShapeDtypeStruct((Tq_pad * tie_slots,), jnp.int32),
                  *[jax.ShapeDtypeStruct((Tq_pad,), jnp.int32)] * 2),
       grid=(Tq_pad // block_q,),
-      in_specs=[pl.BlockSpec((1,), lambda i: (0,)), pl.BlockSpec((block_q, Tk_pad), lambda i: (i, 0))],
+      in_specs=[pl.BlockSpec((1,), lambda i: (0,)), pl.BlockSpec((block_q, Tk_pad), lambda i: (i, 0)), *extra_specs],
       out_specs=(per_row(slots), per_row(tie_slots), per_row(1), per_row(1)),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
       interpret=interpret,
       name="hyscale_flash_topk_mask_candidates",
-  )(jnp.asarray(q_offset, jnp.int32).reshape(1), mask)
+  )(jnp.asarray(q_offset, jnp.int32).reshape(1), mask, *extra_in)
   return (idx.reshape(Tq_pad, slots)[:Tq], tie_idx.reshape(Tq_pad, tie_slots)[:Tq], n_above[:Tq], n_tied[:Tq])

@@ -46,6 +46,9 @@ it, double-buffered (before reusing a tile it waits until at most one store is s
 Segments (packed documents): each consumer loads its key tile's segment ids in the accumulator's row
 layout and every step takes the visibility mask (no unmasked fast path), comparing them with the
 block's query segment ids, as the Triton pass does; a fourth partial counts each row's visible keys.
+A CTA starts at the step holding the first key that shares a segment id with one of its queries
+(`first_scored_keys`): with documents of L tokens packed in rows of T, the steps before a document
+(up to T / L of the row) are neither loaded nor multiplied, and their mask bytes are left unwritten.
 
 Limits: bf16 q and k; block_q * H <= 256 (H padded to 8); block_k 64 or 128; shared memory
 (`smem_bytes`) within 227 KiB; one batch row. The
@@ -66,7 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._hopper import smem_transforms
-from pallas_kernels.flash_topk.flash_topk import key_visible, keys_seen, rank_folded
+from pallas_kernels.flash_topk.flash_topk import key_visible, keys_seen, rank_folded, segment_first_keys
 
 _CONSUMERS = 2  # MMA warpgroups; the third issues the TMA loads
 _SWIZZLE_COLS = 64  # bf16 elements of a 128-byte swizzled row
@@ -107,19 +110,31 @@ def fits(num_heads: int, head_dim: int, *, block_q: int, block_k: int, stages: i
           and smem_bytes(block_q, heads, block_k, stages, dim, emit_mask, segments) <= SMEM_LIMIT)
 
 
+def first_scored_keys(q_seg, kv_seg, *, block_q: int, block_k: int):
+  """i32[Tq]: per query row, the first key its CTA scores with segment ids (q_seg int[Tq], kv_seg int[Tk]):
+  the step (2 * block_k keys) holding the first key that shares an id with any query of its block of
+  block_q rows. The mask's bytes before it are unwritten; `candidates_from_mask(first_keys=)` skips them."""
+  Tq = q_seg.shape[0]
+  step = _CONSUMERS * block_k
+  first = segment_first_keys(q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32))
+  first = _pad_axis(first, 0, block_q, value=kv_seg.shape[0])  # padded rows never lower a block's start
+  block_first = jnp.min(first.reshape(-1, block_q), axis=1) // step * step
+  return jnp.repeat(block_first, block_q)[:Tq]
+
+
 def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, *refs, block_q, heads, block_k, stages,
                          num_keys, compress_ratio, scale, consumer_registers, producer_registers, pingpong,
                          emit_mask, segments):
   # Inputs: q_offset i32 [1] (row 0's position), q [Tq_pad * H, D] (a query's H head rows together),
   # k [Tk_pad, D] (a multiple of 2 block_k rows), w f32 [Tq_pad * H], t f32 [Tq_pad]; with segments
-  # q_seg i32 [Tq_pad] and kv_seg i32 [Tk_pad].
+  # q_seg i32 [Tq_pad], kv_seg i32 [Tk_pad] and each block's first step i32 [n_blocks].
   # Outputs, per query block: above, tied i32 and max f32 [n_blocks, 2, block_q, block_k], one entry per
   # (consumer, query, key row of the consumer's tile), reduced by the caller; with a mask, int8
   # [Tq_pad, Tk_pad]: 2 where a visible key scores above the row's threshold, 1 where it ties, 0 at the
   # other keys of the steps the block computes (later keys, invisible to the whole block, unwritten);
   # with segments, the visible counts i32 [n_blocks, 2, block_q, block_k].
   refs = list(refs)
-  q_seg_gmem, kv_seg_gmem = (refs.pop(0), refs.pop(0)) if segments else (None, None)
+  q_seg_gmem, kv_seg_gmem, first_step_gmem = (refs.pop(0), refs.pop(0), refs.pop(0)) if segments else (None,) * 3
   above_gmem, tied_gmem, max_gmem = refs[:3]
   mask_gmem = [refs[3]] if emit_mask else []
   seen_gmem = refs[-1] if segments else None
@@ -132,7 +147,10 @@ def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, *refs, b
   # Steps (of step_keys keys) holding a key visible to the block's last query; the steps before the
   # first query's edge see every key for every query of the block (no mask there).
   n_steps = pl.cdiv(keys_seen(first_pos + block_q - 1, compress_ratio, num_keys), step_keys)
-  # With segments every step compares segment ids (the mask everywhere).
+  # With segments every step compares segment ids (the mask everywhere), from the block's first step on
+  # (the keys before it share no id with the block's queries). Steps are counted from there: r = i - first.
+  first_step = jnp.minimum(first_step_gmem[qb], n_steps) if segments else 0
+  n_run = n_steps - first_step
   n_unmasked = 0 if segments else keys_seen(first_pos, compress_ratio, num_keys) // step_keys
 
   def body(q_smem, k_smem, above_smem, tied_smem, max_smem, q_bar, k_ready, k_free, schedule, *scratch):
@@ -158,8 +176,9 @@ def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, *refs, b
       key_iota = plgpu.broadcasted_iota(jnp.int32, (block_k,), 0, layout=row)
       plgpu.barrier_wait(q_bar)
 
-      def step(i, carry, masked):
-        slot = lax.rem(i, stages)
+      def step(r, carry, masked):
+        i = first_step + r
+        slot = lax.rem(r, stages)
         plgpu.barrier_wait(k_ready.at[slot])
 
         def mma(acc_ref):
@@ -175,7 +194,7 @@ def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, *refs, b
         if segments:  # this consumer's key rows' segment ids, in the scores' row layout
           kv_segs = plgpu.load(kv_seg_gmem.at[pl.ds(key0, block_k)], layout=row, optimized=False)
         if emit_mask:  # the store issued two steps ago read this tile: let it finish
-          tile = lax.rem(i, 2)
+          tile = lax.rem(r, 2)
           plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         out = []
         for j in range(block_q):
@@ -206,7 +225,7 @@ def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, *refs, b
                     *([zeros] if segments else [])) for _ in range(block_q))
       pl.when(wg == 1)(take_turns)  # consumer 1 starts a turn behind (as attention_mgpu's schedule barrier)
       carry = lax.fori_loop(0, n_unmasked, functools.partial(step, masked=False), init)
-      carry = lax.fori_loop(n_unmasked, n_steps, functools.partial(step, masked=True), carry)
+      carry = lax.fori_loop(n_unmasked, n_run, functools.partial(step, masked=True), carry)
       pl.when(wg == 0)(take_turns)  # ... and consumer 0 ends one behind: both wait out every phase
       for j, (above, tied, best, *seen) in enumerate(carry):
         above_smem[wg, j] = above
@@ -225,20 +244,21 @@ def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, *refs, b
       plgpu.set_max_registers(producer_registers, action="decrease")
       plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first_q * heads, cols)], q_smem, q_bar)
 
-      @pl.loop(0, n_steps)
-      def _(i):
-        slot = lax.rem(i, stages)
+      @pl.loop(0, n_run)
+      def _(r):
+        slot = lax.rem(r, stages)
 
-        @pl.when(i >= stages)
+        @pl.when(r >= stages)
         def _():
           plgpu.barrier_wait(k_free.at[slot])
 
-        plgpu.copy_gmem_to_smem(k_gmem.at[pl.ds(i * step_keys, step_keys)], k_smem.at[slot], k_ready.at[slot])
+        plgpu.copy_gmem_to_smem(k_gmem.at[pl.ds((first_step + r) * step_keys, step_keys)], k_smem.at[slot],
+                                k_ready.at[slot])
 
       # Observe the last steps' "freed" phases too, so no barrier phase is left pending at the end.
-      @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
-      def _(i):
-        plgpu.barrier_wait(k_free.at[lax.rem(i, stages)])
+      @pl.loop(jnp.maximum(n_run - stages, 0), n_run)
+      def _(r):
+        plgpu.barrier_wait(k_free.at[lax.rem(r, stages)])
 
   dim = q_gmem.shape[1]
   dtype = q_gmem.dtype
@@ -300,7 +320,8 @@ def score_counts_mgpu(q, k, weights, threshold, *, scale: float, q_offset=0, com
     (n_above i32[Tq], n_tied i32[Tq], max_score f32[Tq]); with `emit_mask` then
     int8[Tq, Tk_pad] (Tk padded to 2 * block_k): at each visible key 2 where its score is above the
     row's threshold, 1 where it equals it, else 0; 0 at the keys of other segments; unspecified at
-    causally invisible keys; with `segment_ids` last n_visible i32[Tq], the keys each row sees. Scores accumulate
+    causally invisible keys and, with segments, before the row's `first_scored_keys`; with
+    `segment_ids` last n_visible i32[Tq], the keys each row sees. Scores accumulate
     in f32 (products, head sum, then scale, as `index_scores`); max_score is -inf for a row that sees
     no key, and a row's NaN scores count as -inf.
 
@@ -346,8 +367,11 @@ def score_counts_mgpu(q, k, weights, threshold, *, scale: float, q_offset=0, com
   weights = _pad_axis(_pad_axis(weights.astype(jnp.float32), 1, 8), 0, block_q)  # padded heads weigh 0
   threshold = _pad_axis(threshold.astype(jnp.float32), 0, block_q, value=jnp.inf)
   # Padded queries (threshold +inf) and keys (past num_keys, never visible) take segment -1.
-  seg_operands = [_pad_axis(q_seg.astype(jnp.int32), 0, block_q, value=-1),
-                  _pad_axis(kv_seg.astype(jnp.int32), 0, _CONSUMERS * block_k, value=-1)] if segments else []
+  seg_operands = []
+  if segments:
+    first_steps = first_scored_keys(q_seg, kv_seg, block_q=block_q, block_k=block_k)[::block_q] // (_CONSUMERS * block_k)
+    seg_operands = [_pad_axis(q_seg.astype(jnp.int32), 0, block_q, value=-1),
+                    _pad_axis(kv_seg.astype(jnp.int32), 0, _CONSUMERS * block_k, value=-1), first_steps]
   Tq_pad = q.shape[0]
   n_blocks = Tq_pad // block_q
   kernel = functools.partial(

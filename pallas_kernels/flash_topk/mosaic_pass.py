@@ -21,8 +21,9 @@ order gives the same bits and the result is exactly the Triton pass's (tests/tes
 The rescored scores get the main pass's two folds (-0 to +0, NaN to -inf), so the finish ranks the
 same values either pass would give it.
 
-Segments (packed documents) are the mark kernel's: it leaves keys of other segments unmarked and
-counts each row's visible keys, so the listing and the rescoring need nothing more.
+Segments (packed documents) are the mark kernel's: it leaves keys of other segments unmarked, skips
+the steps before the first key its queries' segments hold, and counts each row's visible keys; the
+listing starts each row where the marking did (`first_scored_keys`).
 
 Memory: the mask of a query chunk, [chunk, Tk] int8, beside the candidate buffers; `_select` sizes
 the chunks for both (`Config.mosaic_chunk_bytes`).
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 from pallas_kernels.flash_topk.flash_topk import (
     Candidates, Config, candidates_from_mask, keys_seen, next_power_of_two, rank_folded,
 )
-from pallas_kernels.flash_topk.mgpu_scores import padded_num_keys, score_counts_mgpu
+from pallas_kernels.flash_topk.mgpu_scores import first_scored_keys, padded_num_keys, score_counts_mgpu
 from pallas_kernels.flash_topk.scores_at import index_scores_at_prefix
 
 COMPACTION_ROWS = 16  # rows per program of the listing step; query chunks are a multiple of it
@@ -81,12 +82,14 @@ def flash_topk_candidates_mosaic(q, k, weights, threshold, *, q_offset, segment_
                                segment_ids=None if q_seg is None else (q_seg[b], kv_seg[b]),
                                block_q=config.mosaic_block_q, block_k=config.mosaic_block_k,
                                stages=config.mosaic_stages, emit_mask=True, interpret=interpret)
-    mask = marked[3]
+    mask, first_keys = marked[3], None
     if q_seg is not None:
       visible.append(marked[4][:Tq])
+      first_keys = first_scored_keys(q_seg[b], kv_seg[b], block_q=config.mosaic_block_q,
+                                     block_k=config.mosaic_block_k)
     idx, tie_idx, n_above, n_tied = candidates_from_mask(mask, q_offset, num_keys=Tk, compress_ratio=compress_ratio,
-                                                    slots=slots, tie_slots=tie_slots, block_q=COMPACTION_ROWS,
-                                                    interpret=interpret)
+                                                    slots=slots, tie_slots=tie_slots, first_keys=first_keys,
+                                                    block_q=COMPACTION_ROWS, interpret=interpret)
     scores = index_scores_at_prefix(q[b][None], k[b][None], weights[b][None], idx[None],
                                     jnp.minimum(n_above, slots)[None], scale, keys_as_rows=True,
                                     interpret=interpret)[0]
