@@ -40,6 +40,8 @@ Mosaic pass from there on Hopper); `pallas_mosaic[_unsorted]` force the Mosaic p
 `agreement_with_pallas`, the fraction of sorted slots equal to `pallas`'s.
 `pallas_segments_unsorted` passes segment ids (one document per row, the same selection) as train.py's
 packed rows do, with `--config` as given; `pallas_segments_triton_unsorted` the same on the Triton pass.
+`pallas_packed[_triton]_unsorted`: documents of `--doc-len` tokens packed in each row (TFLOP/s over
+their own causal pairs; compress ratio 1 only).
 """
 
 import argparse
@@ -215,15 +217,24 @@ def ceiling_mgpu_fn(mgpu_config, compress_ratio=1):
   return fn
 
 
-def pallas_fn(topk, compress_ratio, config, by_score=True, one_segment=False):
+def packed_pairs(T, doc_len):
+  """Visible (query, key) pairs of a row of T tokens packed with documents of doc_len (the last shorter)."""
+  lengths = [min(doc_len, T - start) for start in range(0, T, doc_len)]
+  return sum(n * (n + 1) // 2 for n in lengths)
+
+
+def pallas_fn(topk, compress_ratio, config, by_score=True, one_segment=False, doc_len=0):
   """(q, k, w[, k_scale]) -> (indices, scores, stats); k_scale for fp8 q and k; `by_score` False: the
   op's `sorted=False` (the layers' call: no sort of the winners); `one_segment`: segment ids passed,
   all one document (what train.py's packed rows pass for a row of one document: the same selection,
-  through the segment masks)."""
+  through the segment masks); `doc_len`: segment ids of documents of doc_len tokens (compress ratio 1)."""
   def fn(q, k, w, k_scale=None):
     segment_ids = None
     if one_segment:
       segment_ids = (jnp.ones(q.shape[:2], jnp.int32), jnp.ones(k.shape[:2], jnp.int32))
+    if doc_len:
+      ids = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32) // doc_len, q.shape[:2])
+      segment_ids = (ids, ids)
     return flash_topk_pallas_with_stats(q, k, w, k_scale=k_scale, topk=topk, compress_ratio=compress_ratio,
                                         segment_ids=segment_ids, scale=128**-0.5, config=config, sorted=by_score)
   return fn
@@ -373,7 +384,7 @@ def run_memory(shapes, config):
   return rows
 
 
-def run_table(shapes, config, reps, skip, mgpu_config=None):
+def run_table(shapes, config, reps, skip, mgpu_config=None, doc_len=8192):
   rows = []
   for shape in shapes:
     T, H, D, topk, cr, use_w = SHAPES[shape]
@@ -397,6 +408,11 @@ def run_table(shapes, config, reps, skip, mgpu_config=None):
                                      (q, k, w)),
         "pallas_segments_triton_unsorted": (jax.jit(pallas_fn(
             topk, cr, dataclasses.replace(config, scorer="triton"), by_score=False, one_segment=True)), (q, k, w)),
+        # Documents of --doc-len tokens packed in the row (compress ratio 1 only); TFLOP/s over the
+        # documents' own pairs. "auto" as given, and the Triton pass forced.
+        "pallas_packed_unsorted": (jax.jit(pallas_fn(topk, cr, config, by_score=False, doc_len=doc_len)), (q, k, w)),
+        "pallas_packed_triton_unsorted": (jax.jit(pallas_fn(
+            topk, cr, dataclasses.replace(config, scorer="triton"), by_score=False, doc_len=doc_len)), (q, k, w)),
         # The same backend with the previous finish (lax.top_k over the whole candidate buffer).
         "pallas_top_k_finish": (jax.jit(pallas_fn(topk, cr, dataclasses.replace(config, finish="top_k"))),
                                 (q, k, w)),
@@ -408,19 +424,25 @@ def run_table(shapes, config, reps, skip, mgpu_config=None):
         "reference": (jax.jit(lambda q, k, w: tuple(ops.flash_topk(
             q, k, w, topk=topk, compress_ratio=cr, scale=D**-0.5, backend="reference"))), (q, k, w)),
     }
+    if cr != 1:  # packed documents over compressed keys: not defined here
+      variants = {name: v for name, v in variants.items() if not name.startswith("pallas_packed")}
     results, selected = {}, {}
     for name, (fn, args) in variants.items():
       if name in skip.get(shape, ()):
         continue
       out = jax.block_until_ready(fn(*args))  # the warm-up; its stats are reported
       seconds = timed(fn, *args, reps=reps, warmup=False)
+      pairs_flops = 2 * H * D * packed_pairs(T, doc_len) if name.startswith("pallas_packed") else flops
       row = dict(shape=shape, T=T, H=H, topk=topk, compress_ratio=cr, variant=name, ms=seconds * 1e3,
-                 tflops=flops / seconds / 1e12, temp_gb=temp_bytes(fn, *args) / 1e9)
+                 tflops=pairs_flops / seconds / 1e12, temp_gb=temp_bytes(fn, *args) / 1e9)
+      if name.startswith("pallas_packed"):
+        row["doc_len"] = doc_len
       if name.startswith("pallas"):
         stats = out[2]
         row.update(rescued=int(stats["rescued"]), candidates_per_row=float(stats["candidates_per_row"]))
       if name in ("pallas", "pallas_unsorted", "pallas_mosaic", "pallas_mosaic_unsorted", "xla_baseline", "pallas_fp8",
-                  "xla_baseline_fp8", "pallas_segments_unsorted", "pallas_segments_triton_unsorted"):
+                  "xla_baseline_fp8", "pallas_segments_unsorted", "pallas_segments_triton_unsorted",
+                  "pallas_packed_unsorted", "pallas_packed_triton_unsorted"):
         selected[name] = jnp.sort(out[0], axis=-1)
       if name == "pallas_unsorted" and "pallas" in selected:  # the same sets as the sorted call
         row["same_sets_as_pallas"] = bool(jnp.array_equal(selected[name], selected["pallas"]))
@@ -438,6 +460,9 @@ def run_table(shapes, config, reps, skip, mgpu_config=None):
     for ours, base in (("pallas", "xla_baseline"), ("pallas_fp8", "xla_baseline_fp8")):
       if ours in selected and base in selected:
         results[ours]["agreement_with_xla_baseline"] = float(jnp.mean(selected[ours] == selected[base]))
+    if "pallas_packed_unsorted" in selected and "pallas_packed_triton_unsorted" in selected:
+      results["pallas_packed_unsorted"]["agreement_with_triton"] = float(jnp.mean(
+          selected["pallas_packed_unsorted"] == selected["pallas_packed_triton_unsorted"]))
     if "pallas_fp8" in selected and "pallas" in selected:
       results["pallas_fp8"]["fp8_overlap_with_bf16"] = set_overlap(selected["pallas_fp8"], selected["pallas"])
     selected.clear()
@@ -467,6 +492,7 @@ def main():
   parser.add_argument("--config", type=json.loads, default={}, help="Config fields as JSON")
   parser.add_argument("--mgpu-config", type=json.loads, default={},
                       help="ceiling_mgpu's score_counts_mgpu block arguments as JSON (block_q, block_k, stages, ...)")
+  parser.add_argument("--doc-len", type=int, default=8192, help="table: document length of the pallas_packed variants")
   parser.add_argument("--out", default=None)
   parser.add_argument("--smoke", action="store_true", help="the table at a tiny shape on any device, in seconds")
   args = parser.parse_args()
@@ -499,15 +525,17 @@ def main():
     rows = run_tune(args.seq, configs, tuple(args.only or ("ceiling", "pallas")), mgpu_configs)
   else:
     every = {"pallas", "pallas_unsorted", "pallas_mosaic", "pallas_mosaic_unsorted", "pallas_fp8",
-             "pallas_segments_unsorted", "pallas_segments_triton_unsorted", "pallas_top_k_finish", "ceiling", "ceiling_fp8", "ceiling_mgpu", "xla_baseline", "xla_baseline_fp8",
+             "pallas_segments_unsorted", "pallas_segments_triton_unsorted", "pallas_packed_unsorted",
+             "pallas_packed_triton_unsorted", "pallas_top_k_finish", "ceiling", "ceiling_fp8", "ceiling_mgpu", "xla_baseline", "xla_baseline_fp8",
              "reference"}
     skip = {s: every - set(args.only) for s in args.shapes} if args.only else {}
     if args.smoke and not args.only:  # CI's bench smoke (CI time): the old finish's equality and the unsorted
       # call's sets are tests/test_flash_topk*.py's, and the ceilings are timings only
       skip = {"smoke": {"pallas_top_k_finish", "pallas_unsorted", "pallas_mosaic", "pallas_mosaic_unsorted",
-                        "pallas_segments_unsorted", "pallas_segments_triton_unsorted",
+                        "pallas_segments_unsorted", "pallas_segments_triton_unsorted", "pallas_packed_unsorted",
+                        "pallas_packed_triton_unsorted",
                         "ceiling", "ceiling_fp8", "ceiling_mgpu", "xla_baseline_fp8"}}
-    rows = run_table(args.shapes, Config(**args.config), args.reps, skip, args.mgpu_config)
+    rows = run_table(args.shapes, Config(**args.config), args.reps, skip, args.mgpu_config, args.doc_len)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(rows, f, indent=1)
