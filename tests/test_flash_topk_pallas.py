@@ -576,3 +576,14 @@ def test_index_scores_at_kernel_rejects_a_step_that_is_not_a_power_of_two():
   with pytest.raises(ValueError, match="block_k=3"):
     index_scores_at_pallas(jnp.zeros((1, 2, 2, 4)), jnp.zeros((1, 3, 4)), None, jnp.zeros((1, 2, 2), jnp.int32),
                            1.0, block_k=3)
+
+
+def test_segment_first_keys_is_each_querys_first_key_of_its_segment():
+  """Any id layout: ids that come back later, ids absent from the keys (Tk), negative ids."""
+  from pallas_kernels.flash_topk.flash_topk import segment_first_keys  # noqa: PLC0415
+
+  kv_seg = np.array([3, 3, 1, 1, -1, 3, 2, 2, 1, 0], np.int32)
+  q_seg = np.array([3, 1, 2, 0, -1, 7, 1, 2, 3, 9], np.int32)
+  want = [next((s for s in range(len(kv_seg)) if kv_seg[s] == g), len(kv_seg)) for g in q_seg]
+  np.testing.assert_array_equal(np.asarray(segment_first_keys(jnp.asarray(q_seg), jnp.asarray(kv_seg))), want)
+  assert want == [0, 2, 6, 9, 4, 10, 2, 6, 0, 10]

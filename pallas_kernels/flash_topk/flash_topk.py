@@ -244,12 +244,13 @@ def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads,
                        precise, keys_as_rows):
   # Inputs: q_offset [1], q [block_q*H, D], k [Tk_pad, D], t [block_q], then weights [block_q*H, 1]
   # ([1, block_q*H] with keys_as_rows),
-  # key_scale [Tk_pad] and (q_seg [block_q], kv_seg [Tk_pad]) when present. Outputs: candidate
-  # indices and scores [block_q*slots], tie indices [block_q*tie_slots], and n_gt, n_eq, n_visible [block_q].
+  # key_scale [Tk_pad] and (q_seg [block_q], kv_seg [Tk_pad], first keys [block_q]) when present.
+  # Outputs: candidate indices and scores [block_q*slots], tie indices [block_q*tie_slots], and n_gt,
+  # n_eq, n_visible [block_q].
   refs = list(refs)
   w_ref = refs.pop(0) if has_weights else None
   key_scale_ref = refs.pop(0) if has_key_scale else None
-  q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if has_segments else (None, None)
+  q_seg_ref, kv_seg_ref, first_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if has_segments else (None,) * 3
   cand_idx_ref, cand_score_ref, tie_idx_ref, n_gt_ref, n_eq_ref, n_vis_ref = refs
 
   q_pos = q_offset_ref[0] + pl.program_id(1) * block_q + jax.lax.broadcasted_iota(
@@ -262,6 +263,9 @@ def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads,
   n_tiles = (keys_visible_to_last + block_k - 1) // block_k  # later tiles are all causal-masked
   # Tiles before the first query's causal edge are visible to the whole block: no causal mask there.
   n_unmasked = keys_seen(jnp.min(q_pos), compress_ratio, num_keys) // block_k
+  # With segments, tiles before the first key sharing an id with one of the block's queries hold no key
+  # it sees (packed documents: the earlier documents): skipped.
+  first_tile = jnp.min(first_ref[...]) // block_k if has_segments else 0
 
   def step(j, counts, causal_mask):
     n_gt, n_eq, n_vis = counts
@@ -298,10 +302,10 @@ def _candidates_kernel(q_offset_ref, q_ref, k_ref, t_ref, *refs, block_q, heads,
     return n_gt, n_eq, n_vis
 
   zeros = jnp.zeros((block_q,), jnp.int32)
-  counts = jax.lax.fori_loop(0, n_unmasked, functools.partial(step, causal_mask=False),
-                             (zeros, zeros, zeros))
-  n_gt, n_eq, n_vis = jax.lax.fori_loop(n_unmasked, n_tiles, functools.partial(step, causal_mask=True),
-                                        counts)
+  counts = jax.lax.fori_loop(jnp.minimum(first_tile, n_unmasked), n_unmasked,
+                             functools.partial(step, causal_mask=False), (zeros, zeros, zeros))
+  n_gt, n_eq, n_vis = jax.lax.fori_loop(jnp.maximum(first_tile, n_unmasked), n_tiles,
+                                        functools.partial(step, causal_mask=True), counts)
   if not has_segments:
     n_vis = keys_seen(q_pos, compress_ratio, num_keys)
   n_gt_ref[...] = n_gt
@@ -334,7 +338,8 @@ def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, to
     weights: bf16|f32[B, Tq, H] or None (all ones); for fp8, q's row scales already folded in.
     threshold: f32[B, Tq], the per-row t.
     q_offset: i32 scalar (may be traced).
-    segment_ids: None or (q_seg int[B, Tq], kv_seg int[B, Tk]).
+    segment_ids: None or (q_seg int[B, Tq], kv_seg int[B, Tk]); a program starts at the key tile
+      holding the first key that shares an id with one of its queries (`segment_first_keys`).
     topk: sizes the tie buffer (next power of two of min(topk, Tk)).
     compress_ratio, scale: as in `ops.flash_topk`.
     slots: strict-candidate slots per row (a power of two).
@@ -382,9 +387,12 @@ def flash_topk_candidates(q, k, weights, threshold, *, q_offset, segment_ids, to
     in_specs.append(pl.BlockSpec((None, Tk_pad), lambda b, i: (b, 0)))
   if segment_ids is not None:
     q_seg, kv_seg = (s.astype(jnp.int32) for s in segment_ids)
-    operands += [jnp.pad(q_seg, ((0, 0), (0, Tq_pad - Tq))), jnp.pad(kv_seg, ((0, 0), (0, Tk_pad - Tk)))]
+    first = jax.vmap(segment_first_keys)(q_seg, kv_seg)  # padded rows never lower a block's first tile
+    operands += [jnp.pad(q_seg, ((0, 0), (0, Tq_pad - Tq))), jnp.pad(kv_seg, ((0, 0), (0, Tk_pad - Tk))),
+                 jnp.pad(first, ((0, 0), (0, Tq_pad - Tq)), constant_values=Tk_pad)]
     in_specs += [pl.BlockSpec((None, block_q), lambda b, i: (b, i)),
-                 pl.BlockSpec((None, Tk_pad), lambda b, i: (b, 0))]
+                 pl.BlockSpec((None, Tk_pad), lambda b, i: (b, 0)),
+                 pl.BlockSpec((None, block_q), lambda b, i: (b, i))]
   per_row = lambda width: pl.BlockSpec((None, block_q * width), lambda b, i: (b, i))
   kernel = functools.partial(
       _candidates_kernel, block_q=block_q, heads=heads, block_k=block_k, num_keys=Tk,
