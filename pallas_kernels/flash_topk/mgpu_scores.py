@@ -85,15 +85,26 @@ def smem_bytes(block_q: int, heads: int, block_k: int, stages: int, dim: int, em
   (e.g. 235584 bytes for block_q 2, block_k 128, 3 stages at H 64, D 128, which it rejects).
   """
   operands = 2 * dim * (block_q * heads + stages * _CONSUMERS * block_k)
-  partials = (4 if segments else 3) * 4 * _CONSUMERS * block_q * block_k
+  partials = _partial_bytes_per_query(block_k, segments) * block_q
   masks = 2 * _CONSUMERS * block_q * block_k if emit_mask else 0  # two int8 tiles a consumer
   return operands + partials + masks + 8 * (2 + 2 * stages)
+
+
+def _partial_bytes_per_query(block_k: int, segments: bool) -> int:
+  """The per-row partials of one query: above, tied, max (and with segments the visible counts), one
+  4-byte entry per consumer and key row of its tile."""
+  return (4 if segments else 3) * 4 * _CONSUMERS * block_k
 
 
 def padded_num_keys(num_keys: int, block_k: int) -> int:
   """The keys (and the mask's columns) as the kernel takes them: a multiple of a step, 2 * block_k."""
   step = _CONSUMERS * block_k
   return -(-num_keys // step) * step
+
+
+def output_bytes_per_row(num_keys: int, block_k: int, segments: bool) -> int:
+  """What `score_counts_mgpu(emit_mask=True)` writes per query row: its mask row and its partials."""
+  return padded_num_keys(num_keys, block_k) + _partial_bytes_per_query(block_k, segments)
 
 
 def _padded_heads_and_dim(num_heads: int, head_dim: int) -> tuple[int, int]:
@@ -110,16 +121,20 @@ def fits(num_heads: int, head_dim: int, *, block_q: int, block_k: int, stages: i
           and smem_bytes(block_q, heads, block_k, stages, dim, emit_mask, segments) <= SMEM_LIMIT)
 
 
-def first_scored_keys(q_seg, kv_seg, *, block_q: int, block_k: int):
-  """i32[Tq]: per query row, the first key its CTA scores with segment ids (q_seg int[Tq], kv_seg int[Tk]):
-  the step (2 * block_k keys) holding the first key that shares an id with any query of its block of
-  block_q rows. The mask's bytes before it are unwritten; `candidates_from_mask(first_keys=)` skips them."""
-  Tq = q_seg.shape[0]
-  step = _CONSUMERS * block_k
+def _first_steps(q_seg, kv_seg, block_q: int, block_k: int):
+  """i32[ceil(Tq / block_q)]: per CTA, the step (2 * block_k keys) holding the first key that shares a
+  segment id with any of its block_q queries."""
   first = segment_first_keys(q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32))
   first = _pad_axis(first, 0, block_q, value=kv_seg.shape[0])  # padded rows never lower a block's start
-  block_first = jnp.min(first.reshape(-1, block_q), axis=1) // step * step
-  return jnp.repeat(block_first, block_q)[:Tq]
+  return jnp.min(first.reshape(-1, block_q), axis=1) // (_CONSUMERS * block_k)
+
+
+def first_scored_keys(q_seg, kv_seg, *, block_q: int, block_k: int):
+  """i32[Tq]: per query row, the first key its CTA scores with segment ids (q_seg int[Tq], kv_seg int[Tk]):
+  the start of the step holding the first key that shares an id with any query of its block of
+  block_q rows. The mask's bytes before it are unwritten; `candidates_from_mask(first_keys=)` skips them."""
+  steps = _first_steps(q_seg, kv_seg, block_q, block_k)
+  return jnp.repeat(steps * (_CONSUMERS * block_k), block_q)[:q_seg.shape[0]]
 
 
 def _score_counts_kernel(q_offset_gmem, q_gmem, k_gmem, w_gmem, t_gmem, *refs, block_q, heads, block_k, stages,
@@ -369,7 +384,7 @@ def score_counts_mgpu(q, k, weights, threshold, *, scale: float, q_offset=0, com
   # Padded queries (threshold +inf) and keys (past num_keys, never visible) take segment -1.
   seg_operands = []
   if segments:
-    first_steps = first_scored_keys(q_seg, kv_seg, block_q=block_q, block_k=block_k)[::block_q] // (_CONSUMERS * block_k)
+    first_steps = _first_steps(q_seg, kv_seg, block_q, block_k)
     seg_operands = [_pad_axis(q_seg.astype(jnp.int32), 0, block_q, value=-1),
                     _pad_axis(kv_seg.astype(jnp.int32), 0, _CONSUMERS * block_k, value=-1), first_steps]
   Tq_pad = q.shape[0]

@@ -37,18 +37,15 @@ import jax.numpy as jnp
 from pallas_kernels.flash_topk.flash_topk import (
     Candidates, Config, candidates_from_mask, keys_seen, next_power_of_two, rank_folded,
 )
-from pallas_kernels.flash_topk.mgpu_scores import first_scored_keys, padded_num_keys, score_counts_mgpu
+from pallas_kernels.flash_topk.mgpu_scores import first_scored_keys, output_bytes_per_row, score_counts_mgpu
 from pallas_kernels.flash_topk.scores_at import index_scores_at_prefix
 
 COMPACTION_ROWS = 16  # rows per program of the listing step; query chunks are a multiple of it
 
 
 def bytes_per_row(num_keys: int, config: Config, segments: bool) -> int:
-  """The mark kernel's outputs per query row: the mask (keys padded to the Mosaic pass's step) and the
-  per-row partials (above, tied, max and with segments the visible count: i32/f32 per consumer and key
-  row of a tile)."""
-  partials = (4 if segments else 3) * 4 * 2 * config.mosaic_block_k
-  return padded_num_keys(num_keys, config.mosaic_block_k) + partials
+  """The mark kernel's outputs per query row at this config's blocks: its mask row and its partials."""
+  return output_bytes_per_row(num_keys, config.mosaic_block_k, segments)
 
 
 def flash_topk_candidates_mosaic(q, k, weights, threshold, *, q_offset, segment_ids, topk, compress_ratio, scale,
