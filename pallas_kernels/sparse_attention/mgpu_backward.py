@@ -69,7 +69,11 @@ class Config:
   chunks 65.82 ms, 128 59.74, 128 with 240 / 24 registers 57.50 (the default); without the scatter
   20.17. Measured and removed: `red.global.v4` after a lane-pair shuffle (68.05 / 61.97 at 64 / 128
   columns), the next chunk's MMAs issued before this chunk's scatter (two accumulators live: 108.27
-  at 64 columns, 316.40 at 128: spills), the chunk past Dv on consumer 1 (59.92).
+  at 64 columns, 316.40 at 128: spills), the chunk past Dv on consumer 1 (59.92), and dK rows staged in
+  each consumer's dQ columns of the key tile and added by `cp.reduce.async.bulk ... .add.f32` (1.61x
+  today's adds alone, bench/probe_scatter_add_mgpu.py; in the kernel 67.81 against 57.01 at 16K,
+  314.97 against 282.30 at 64K: the next gather waits until the copies have read the tile, and no
+  other shared memory is free).
   """
 
   consumer_registers: int = 240
