@@ -33,6 +33,7 @@ def _avals(B, T, H, K, S, Dk, Dv):
     (2, 3, 128, 64, 576, 512, Config(dkv_cols=64)),  # two head blocks a token
     (1, 3, 64, 130, 512, 512, None),  # DeepSeek-V4: K = V
     (1, 3, 64, 64, 576, 512, Config(consumer_registers=232, producer_registers=40, skip_scatter=True)),
+    (1, 3, 64, 64, 576, 512, Config(dk_evict_last=False)),  # the adds without the L2 hint
 ])
 def test_lowers_for_h200(B, T, H, K, Dk, Dv, config, fake_hopper):
   f = functools.partial(sparse_attention_backward_mgpu, scale=Dk**-0.5, config=config)

@@ -62,8 +62,9 @@ _LOG2E = math.log2(math.e)
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Register splits of the three warpgroups (consumers, producer), the width of the dK chunks (columns
-  of dK rows per MMA and scatter: 64 or 128), and `skip_scatter`, a timing diagnostic only (dK stays
-  zero: what the atomic adds cost).
+  of dK rows per MMA and scatter: 64 or 128), `dk_evict_last` (the adds carry an L2 evict_last hint,
+  so the f32 dK rows outlive the gathered key rows in L2), and `skip_scatter`, a timing diagnostic only
+  (dK stays zero: what the atomic adds cost).
 
   At MLA dims, 16K on the H200 (bench/NOTES.md, `bench/probe_sparse_attention_bwd_mgpu.py`): 64-column
   chunks 65.82 ms, 128 59.74, 128 with 240 / 24 registers 57.50 (the default); without the scatter
@@ -75,13 +76,16 @@ class Config:
   314.97 against 282.30 at 64K: the next gather waits until the copies have read the tile, and no
   other shared memory is free); with 32-key steps, which free 47 KiB for staging, 99.15 against 69.10
   on an H100 at 16K (the copies hold their buffer until the L2 has taken the rows, so 47 KiB keeps
-  too few bytes in flight).
+  too few bytes in flight). The evict_last hint on the adds: 366.4 against 377.9 ms at 64K, 67.1
+  against 68.8 at 16K on an H100 (fractions 0.1-0.5 of it in between; evict_first on the gathered
+  key rows 384.8).
   """
 
   consumer_registers: int = 240
   producer_registers: int = 24
   dkv_cols: int = 128
   skip_scatter: bool = False
+  dk_evict_last: bool = True
 
   def __post_init__(self):
     if self.dkv_cols not in (64, 128):
@@ -105,12 +109,13 @@ def _dkv_chunks(dk: int, dv: int, width: int):
   return [c for c in chunks if not half <= c[0] < dv], [c for c in chunks if half <= c[0] < dv]
 
 
-def _scatter_add(dk_ref, rows, keys, col0):
+def _scatter_add(dk_ref, rows, keys, col0, evict_last: bool):
   """dk_ref[keys[r], col0 + c] += rows[r, c] for the rows whose key is in [0, S), from registers.
 
   `dk_ref` f32 [S, Dk] in global memory; `rows` f32 [64, N] and `keys` int32 [64, N] (each row's key,
   broadcast along the columns) in the warpgroup-MMA layout. Each register holds two adjacent columns
-  of one row: one `red.global.v2.f32.add` each (relaxed, GPU scope: nothing reads dk before the end).
+  of one row: one `red.global.v2.f32.add` each (relaxed, GPU scope: nothing reads dk before the end),
+  with `evict_last` under an L2 evict_last policy (`createpolicy.fractional`, all lines).
   """
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA, plgpu.Layout.WGMMA))
@@ -119,6 +124,8 @@ def _scatter_add(dk_ref, rows, keys, col0):
     i32, i64, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.F32Type.get()
     num_keys, dk = ir.MemRefType(dk_ref.type).shape
     base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(dk_ref))
+    policy = (mgpu_utils.inline_ptx("createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", result_types=i64)
+              if evict_last else None)
     for reg, key_reg, (_, col) in zip(rows.registers.flat, keys.registers.flat,
                                       rows.layout.thread_idxs(rows.shape), strict=True):
       key = vector.extract(key_reg, [], [0])
@@ -128,13 +135,17 @@ def _scatter_add(dk_ref, rows, keys, col0):
       offset = arith.addi(arith.muli(arith.extsi(i64, key), fwd._c(dk, i64)), arith.addi(col, fwd._c(col0, i64)))
       ptr = mgpu_utils.getelementptr(base, [offset], f32)
       lo, hi = vector.extract(reg, [], [0]), vector.extract(reg, [], [1])
-      mgpu_utils.inline_ptx("red.global.v2.f32.add [$0], {$1, $2};", ptr, lo, hi, predicate=valid)
+      if policy is None:
+        mgpu_utils.inline_ptx("red.global.v2.f32.add [$0], {$1, $2};", ptr, lo, hi, predicate=valid)
+      else:
+        mgpu_utils.inline_ptx("red.global.add.L2::cache_hint.v2.f32 [$0], {$1, $2}, $3;", ptr, lo, hi, policy,
+                              predicate=valid, has_side_effects=True)
 
   scatter(dk_ref, rows, keys)
 
 
 def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, steps_gmem, dk_gmem, dq_gmem, *,
-                     scale, consumer_registers, producer_registers, dkv_cols, skip_scatter):
+                     scale, consumer_registers, producer_registers, dkv_cols, skip_scatter, dk_evict_last):
   # Inputs: q [B, T, H, Dk], k [B, S, Dk], indices int32 [B, T, K_pad], dout [B, T, H, Dv], lse2 f32
   # [B, T, H] (lse log2 e, 0 where -inf), delta f32 [B, T, H], steps int32 [B, T] (live steps),
   # dk f32 [B, S, Dk] (a zeroed Ref that takes the atomic adds). Output: dq [B, T, H, Dk].
@@ -166,7 +177,7 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
 
     def scatter(ids, rows, col, width):
       if not skip_scatter:
-        _scatter_add(dk_gmem.at[b], rows, lax.broadcast_in_dim(ids, (_BLOCK_K, width), [0]), col)
+        _scatter_add(dk_gmem.at[b], rows, lax.broadcast_in_dim(ids, (_BLOCK_K, width), [0]), col, dk_evict_last)
 
     def dkv(i, my_chunks):
       ids = step_ids(i, row)
@@ -318,7 +329,7 @@ def sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, *, scale
   dk_acc = jax.new_ref(jnp.zeros((B, S, Dk), jnp.float32))
   kernel = functools.partial(_backward_kernel, scale=float(scale), consumer_registers=config.consumer_registers,
                              producer_registers=config.producer_registers, dkv_cols=config.dkv_cols,
-                             skip_scatter=config.skip_scatter)
+                             skip_scatter=config.skip_scatter, dk_evict_last=config.dk_evict_last)
   dq = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((B, T, H, Dk), q.dtype),
