@@ -58,7 +58,7 @@ def _bulk_add(dk_ref, stage_ref, idx_ref, col0):
     del ctx
     i32, i64, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.F32Type.get()
     num_keys, dk = ir.MemRefType(dk_ref.type).shape
-    rows, width = ir.MemRefType(stage_ref.type).shape
+    width = ir.MemRefType(stage_ref.type).shape[1]
     strides, _ = ir.MemRefType(stage_ref.type).get_strides_and_offset()
     half = width // 2
     tid = arith.remui(mgpu_utils.thread_idx(), fwd._c(128, i32))
@@ -77,7 +77,6 @@ def _bulk_add(dk_ref, stage_ref, idx_ref, col0):
         f"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], {half * 4};",
         dst, src, predicate=valid, has_side_effects=True)
     mgpu_utils.inline_ptx("cp.async.bulk.commit_group;", has_side_effects=True)
-    del rows
 
   issue(dk_ref, stage_ref, idx_ref)
 
