@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
@@ -36,25 +37,25 @@ def parse(spec: str, problem=None) -> Config:
   """"block_m x block_n x block_k / stages / snake band[/c<delay_release>]" (block_n per warpgroup: the
   CTA has 2x; a `/c0` or `/c1` suffix runs the continuous pipeline with that delay_release, and
   letters after it: `s` 64-row tail tiles (forward), `p` warpgroups splitting the CTA's rows (a CTA
-  of 2 * block_m x block_n: forward/dx 64-row halves at block_m 64, dW's P)), or
+  of 2 * block_m x block_n: forward/dx 64-row halves at block_m 64, dW's P), then `w<cols>` for
+  `store_cols`), or
   "heur[/c<delay_release>]": `Config.heuristics` at `problem` = (kind, m, k, n, g)."""
   tiles, *rest = spec.split("/")
-  if tiles == "heur":
-    base = Config.heuristics(*problem)
-  else:
+  if tiles != "heur":
     stages, band, *rest = rest
-    block_m, block_n, block_k = (int(v) for v in tiles.split("x"))
-    base = Config(block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=int(stages),
-                  grid_block_n=int(band))
+  pipeline = {}
   if rest:
-    if len(rest) > 1 or not rest[0].startswith("c"):
+    found = re.fullmatch(r"c([01])([sp]*)(?:w(\d+))?", rest[0]) if len(rest) == 1 else None
+    if not found:
       raise ValueError(f"bad config {spec!r}")
-    flags = rest[0][2:]
-    if not set(flags) <= set("sp"):
-      raise ValueError(f"bad config {spec!r}")
-    base = dataclasses.replace(base, continuous=True, delay_release=int(rest[0][1]), short_tiles="s" in flags,
-                               split_rows="p" in flags)
-  return base
+    delay, flags, store_cols = found.groups()
+    pipeline = dict(continuous=True, delay_release=int(delay), short_tiles="s" in flags,
+                    split_rows="p" in flags, store_cols=int(store_cols or 0))
+  if tiles == "heur":
+    return dataclasses.replace(Config.heuristics(*problem), **pipeline)
+  block_m, block_n, block_k = (int(v) for v in tiles.split("x"))
+  return Config(block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=int(stages),
+                grid_block_n=int(band), **pipeline)
 
 
 def run(fn, label, pass_name, inputs, reps):

@@ -142,7 +142,7 @@ def test_config_validation_heuristics_and_search_space():
     autotune.Config.heuristics("backward", 1, 1, 1, 1)
   for kind in autotune.KINDS:
     space = autotune.Config.search_space(kind, 131072, 6144, 2048, 256)
-    assert 4 <= len(space) <= 8 and len(set(space)) == len(space)
+    assert 4 <= len(space) <= 10 and len(set(space)) == len(space)
     assert all(2048 % c.columns == 0 for c in space)  # no padded (copied) weights
     assert space[0] == autotune.Config.heuristics(kind, 131072, 6144, 2048, 256)
     assert all(c.smem_bytes(2) <= 227 * 1024 for c in space)
@@ -161,6 +161,10 @@ def test_config_validation_heuristics_and_search_space():
   assert autotune.Config.heuristics("forward", 98304, 4096, 2048, 256).continuous
   assert autotune.Config.heuristics("forward_transposed_rhs", 131072, 2048, 6144, 256).continuous
   assert not autotune.Config.heuristics("forward", 131072, 6144, 2048, 256).continuous
+  # The fourth stage (output in 64-column chunks) for continuous forwards and short dx items only.
+  assert autotune.Config.heuristics("forward", 98304, 4096, 2048, 256).store_cols == 64
+  assert autotune.Config.heuristics("forward_transposed_rhs", 163840, 640, 2560, 512).max_concurrent_steps == 4
+  assert autotune.Config.heuristics("forward_transposed_rhs", 131072, 2048, 6144, 256).store_cols == 0
   # A width 256-column CTAs would pad by over 20% (320 -> 512) takes 128-column ones.
   assert autotune.Config.heuristics("forward", 4096, 256, 320, 8).columns == 128
   # dW tiles must divide its [K, N] output: K = 192 allows only 64-row tiles.
@@ -389,6 +393,9 @@ _CONTINUOUS = {name: autotune.Config(block_n=128, max_concurrent_steps=3, grid_b
 # needs the GPU.
 _CONTINUOUS["c0p"] = autotune.Config(block_m=64, block_n=256, max_concurrent_steps=3, grid_block_n=2, continuous=True,
                                      split_rows=True)
+# c0w: the output stored in 64-column chunks through one narrow buffer (`store_cols`), with a chunk
+# of the N = 320 tile's last CTA wholly past N
+_CONTINUOUS["c0w"] = autotune.Config(block_n=128, max_concurrent_steps=3, grid_block_n=2, continuous=True, store_cols=64)
 _ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU")
 
 
@@ -419,6 +426,14 @@ def test_continuous_config_validation():
     autotune.Config(short_tiles=True)
   with pytest.raises(ValueError, match="do not combine"):
     autotune.Config(continuous=True, short_tiles=True, split_rows=True)
+  with pytest.raises(ValueError, match="store_cols"):
+    autotune.Config(store_cols=64)  # only with the continuous pipeline
+  with pytest.raises(ValueError, match="store_cols"):
+    autotune.Config(continuous=True, block_n=128, store_cols=96)
+  # The output buffer shrinks to the chunk's width: a fourth stage of 128 x 256 fits beside it.
+  more = autotune.Config(max_concurrent_steps=3, continuous=True).with_more_stages()
+  assert (more.max_concurrent_steps, more.store_cols) == (4, 64)
+  assert more.smem_bytes(2) == (4 * (128 + 256) * 64 + 128 * 128) * 2 <= 227 * 1024
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=[pytest.mark.gpu_only, _ON_GPU]) if _CONTINUOUS[v].short_tiles
@@ -463,7 +478,9 @@ _RACE_CONFIGS = {"per_item": autotune.Config(block_n=64, max_concurrent_steps=2,
                  "c0p": autotune.Config(block_m=64, block_n=128, max_concurrent_steps=4, grid_block_n=2,
                                         continuous=True, split_rows=True),
                  "c1p": autotune.Config(block_m=64, block_n=64, max_concurrent_steps=2, grid_block_n=2,
-                                        continuous=True, split_rows=True, delay_release=1)}
+                                        continuous=True, split_rows=True, delay_release=1),
+                 "c0pw": autotune.Config(block_m=64, block_n=128, max_concurrent_steps=4, grid_block_n=2,
+                                         continuous=True, split_rows=True, store_cols=64)}
 
 
 def _races(output: str) -> list[str]:

@@ -50,7 +50,9 @@ class Config:
   For dW those are P's, for a Q that 2 * block_n does not divide. For forward/dx each warpgroup
   takes block_m rows and all block_n columns (CUTLASS's cooperative split: at block_m 64 one
   m64nN wgmma per K slice), and one whose half holds none of the group's rows runs no MMAs, which
-  covers what `short_tiles` does (the two do not combine).
+  covers what `short_tiles` does (the two do not combine). `store_cols` (continuous forward/dx; dW
+  ignores it): a consumer stores its tile `store_cols` columns at a time through a buffer that
+  narrow, so the output tile's shared memory can hold one more pipeline stage instead.
   """
 
   block_m: int = 128
@@ -62,6 +64,7 @@ class Config:
   delay_release: int = 0
   short_tiles: bool = False
   split_rows: bool = False
+  store_cols: int = 0
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -79,6 +82,9 @@ class Config:
     if self.short_tiles and self.split_rows:
       raise ValueError("Config.short_tiles and Config.split_rows do not combine: split_rows already skips a "
                        "warpgroup's rows past the group.")
+    if self.store_cols and (not self.continuous or self.store_cols % 64 or self.block_n % self.store_cols):
+      raise ValueError(f"Config.store_cols={self.store_cols!r} must be 0, or a multiple of 64 dividing "
+                       f"block_n={self.block_n} with continuous=True.")
     if self.delay_release >= self.max_concurrent_steps:
       raise ValueError("Config.delay_release must be below max_concurrent_steps.")
 
@@ -93,9 +99,11 @@ class Config:
     return 2 * self.block_m if self.split_rows else self.block_m
 
   def smem_bytes(self, itemsize: int) -> int:
-    """Shared memory of the input pipeline plus the output tile (the same for every kind)."""
+    """Shared memory of the input pipeline plus the output buffer (dW's buffer is a whole tile: it
+    ignores `store_cols`)."""
+    out_columns = self.columns // self.block_n * self.store_cols if self.store_cols else self.columns
     return (self.max_concurrent_steps * (self.rows + self.columns) * self.block_k
-            + self.rows * self.columns) * itemsize
+            + self.rows * out_columns) * itemsize
 
   @classmethod
   def heuristics(cls, kind: str, m: int, k: int, n: int, g: int) -> "Config":
@@ -118,7 +126,11 @@ class Config:
     blocks = -(-n // (2 * block_n))
     if kind == "transposed":
       band = 4 if blocks >= 4 else 1
-    else:  # a remainder band cost Qwen's dx 30%: 8 only where it tiles the blocks
+    elif kind == "forward":  # GLM-5.1 16K 595 -> 681 TFLOP/s at band 4 against 8 (H100, bench/NOTES.md 2026-12-05)
+      band = 4
+    elif k <= 16 * 64:  # short dx items (Qwen's 10 K steps, 4 stages below): band 8 374-392, 4 352
+      band = 8 if blocks >= 8 else 4
+    else:  # a remainder band cost Qwen's dx 30% at 3 stages: 8 only where it tiles the blocks
       band = 8 if blocks % 8 == 0 else 4
     stages = 3 if block_n == 128 else 4
     if kind == "transposed":
@@ -130,13 +142,25 @@ class Config:
     # Forward/dx: continuous where an item is at most 64 K steps (V4-Flash's forward 545 -> 599, Qwen's
     # dx 308 -> 336); at GLM-5.1's K 6144 it measured the same as one pipeline per item.
     continuous = k <= 64 * 64
-    return cls(block_m=block_m, block_n=block_n, max_concurrent_steps=stages, grid_block_n=band,
-               continuous=continuous)
+    config = cls(block_m=block_m, block_n=block_n, max_concurrent_steps=stages, grid_block_n=band,
+                 continuous=continuous)
+    if continuous and block_n == 128 and (kind == "forward" or k <= 16 * 64):
+      # A fourth stage where the output tile goes out in 64-column chunks (its buffer 32 KiB, not 64):
+      # forward V4-Flash 632 -> 658, Qwen 383-396 -> 416, Qwen's dx (10 K steps an item) 370 -> 392;
+      # not at dx's 32 steps (GLM-5.1 601 -> 552 at band 8).
+      config = config.with_more_stages()
+    return config
+
+  def with_more_stages(self) -> "Config":
+    """This continuous config with one more pipeline stage in the room that storing
+    the output in 64-column chunks frees (the CTA's input stages and output buffer, within 227 KiB)."""
+    return dataclasses.replace(self, max_concurrent_steps=self.max_concurrent_steps + 1, store_cols=64)
 
   @classmethod
   def search_space(cls, kind: str, m: int, k: int, n: int, g: int, itemsize: int = 2) -> tuple["Config", ...]:
-    """At most 8 configs, the heuristic first, then its other pipeline (and for forward/dx the
-    warpgroups splitting the CTA's rows and 64-row tail tiles; for dW the other way of splitting the
+    """At most 10 configs, the heuristic first, then its other pipeline (and for forward/dx the
+    warpgroups splitting the CTA's rows, 64-row tail tiles, a fourth stage with the output stored in
+    64-column chunks, the other band; for dW the other way of splitting the
     tile), then snake bands of 1-16 N blocks (how long a row tile stays
     hot in L2) and tiles of 64 or 128 rows x 128 or 256 columns. Kept only if the CTA's columns pad N
     by at most 20% (and, for dW, block_m divides its K) and the kernel fits the H100/H200's 227 KiB
@@ -150,17 +174,24 @@ class Config:
       if k % alternative.rows == 0:
         found.append(alternative)
     else:  # the other pipeline, the warpgroups splitting rows, and 64-row tail tiles
-      found.append(dataclasses.replace(heuristic, continuous=not heuristic.continuous))
+      plain = dataclasses.replace(heuristic, store_cols=0,
+                                  max_concurrent_steps=heuristic.max_concurrent_steps - bool(heuristic.store_cols))
+      found.append(dataclasses.replace(plain, continuous=not plain.continuous))
       # CUTLASS's cooperative split: 64-row halves, each over all of the CTA's columns (and 128
-      # columns where those tile N and the heuristic's pad it: Qwen's 640)
-      for columns in dict.fromkeys((heuristic.columns, 128)):
-        if columns == heuristic.columns or (n % columns == 0 and n % heuristic.columns):
+      # columns where those tile N and the heuristic's pad it: Qwen's 640), with the fourth stage
+      for columns in dict.fromkeys((plain.columns, 128)):
+        if columns == plain.columns or (n % columns == 0 and n % plain.columns):
           blocks = -(-n // columns)
-          band = heuristic.grid_block_n if columns == heuristic.columns else max(
+          band = plain.grid_block_n if columns == plain.columns else max(
               b for b in (8, 4, 2, 1) if blocks % b == 0)  # no remainder band (it cost Qwen's dx 30%)
-          found.append(dataclasses.replace(heuristic, block_m=64, block_n=columns, continuous=True, split_rows=True,
-                                           max_concurrent_steps=3 if columns == 256 else 4, grid_block_n=band))
-      found.append(dataclasses.replace(heuristic, continuous=True, short_tiles=True))
+          found.append(dataclasses.replace(plain, block_m=64, block_n=columns, continuous=True, split_rows=True,
+                                           max_concurrent_steps=4, grid_block_n=band, store_cols=columns // 2))
+      found.append(dataclasses.replace(plain, continuous=True, short_tiles=True))
+      # Three or four stages (the fourth in the room of an output stored in 64-column chunks), and
+      # the other snake band (4 <-> 8)
+      found.append(plain if heuristic.store_cols else dataclasses.replace(plain, continuous=True).with_more_stages())
+      found.append(dataclasses.replace(heuristic, grid_block_n=32 // heuristic.grid_block_n if
+                                       heuristic.grid_block_n in (4, 8) else 4))
     for block_m, block_n, steps, grid_block_n in (
         (128, 128, 3, 4), (128, 128, 3, 16), (128, 128, 3, 2), (128, 128, 3, 1), (64, 128, 4, 8), (128, 64, 4, 8),
         (128, 64, 4, 4)):
@@ -171,7 +202,7 @@ class Config:
         continue
       if config not in found and config.smem_bytes(itemsize) <= 227 * 1024:
         found.append(config)
-    return tuple(found[:8])
+    return tuple(dict.fromkeys(found))[:10]
 
 
 def _pads_little(n: int, columns: int) -> bool:

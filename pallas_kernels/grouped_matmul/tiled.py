@@ -319,6 +319,10 @@ def _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config: Config, tra
   consumer whose half holds none of the group's rows (a group's last tile, under skew) runs no MMAs,
   only the barriers: the 64-row tail of `short_tiles` without a second accumulator or a predicated
   copy.
+
+  `config.store_cols`: a consumer's tile goes out through an output buffer that many columns wide,
+  one chunk after another (each waits until the previous chunk's copy has read the buffer), so the
+  shared memory an output tile would take holds one more pipeline stage.
   """
   del m
   tile_m, tile_n, tile_k = config.block_m, config.block_n, config.block_k
@@ -328,13 +332,14 @@ def _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config: Config, tra
   transforms = smem_transforms(tile_k, dtype)
   rhs_block = (columns, tile_k) if transpose_rhs else (tile_k, columns)
   short_m = 64 if config.short_tiles and tile_m > 64 else None
+  store_cols = config.store_cols or tile_n
 
   def kernel(table_gmem, lhs_gmem, rhs_gmem, out_gmem):
     @functools.partial(
         pl.run_scoped,
         lhs_smem=plgpu.SMEM((stages, rows, tile_k), dtype, transforms=transforms),
         rhs_smem=plgpu.SMEM((stages, *rhs_block), dtype, transforms=transforms),
-        out_smem=plgpu.SMEM((2 * tile_m, tile_n), dtype),
+        out_smem=plgpu.SMEM((2 * tile_m, store_cols), dtype),
         # One arrival per TMA copy issued: rhs and lhs, or rhs and both lhs variants with short
         # tiles (a copy whose predicate is false still arrives, expecting 0 bytes).
         produced=plgpu.Barrier(num_arrivals=2 if short_m is None else 3, num_barriers=stages),
@@ -398,10 +403,15 @@ def _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config: Config, tra
             return rhs_smem.at[slot, :, pl.ds(wg * tile_n, tile_n)]
 
           def store(values, tile_rows):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read it
-            out_smem[pl.ds(smem_row, tile_rows), :] = values
-            plgpu.commit_smem()
-            _store_rows(out_smem, smem_row, out_gmem, row0, col, lo, hi, tile_rows, tile_n)
+            """values [tile_rows, tile_n] in `store_cols`-column chunks; chunks wholly past N store nothing."""
+            for first in range(0, tile_n, store_cols):
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous copy has read it
+              out_smem[pl.ds(smem_row, tile_rows), :] = values[:, first:first + store_cols]
+              plgpu.commit_smem()
+
+              @pl.when(col + first < n)
+              def _(first=first):
+                _store_rows(out_smem, smem_row, out_gmem, row0, col + first, lo, hi, tile_rows, store_cols)
 
           @pl.when((hi > lo) & (group == g) & (col < n))  # rows past the groups: zeros
           def _():
