@@ -388,7 +388,8 @@ _CONTINUOUS = {name: autotune.Config(block_n=128, max_concurrent_steps=3, grid_b
                for name, d, short, split in (("c0", 0, False, False), ("c1", 1, False, False),
                                              ("c0s", 0, True, False))}
 # c0p: the warpgroups split the CTA's rows as the tuner offers it (forward: 64-row halves over 256
-# columns, one skipped past the group; dW: P); c0s: 64-row tail tiles, whose predicated TMA copies
+# columns, one skipped past the group, stored in 128-column chunks: whole 256-column partial stores
+# were wrong on the H100; dW: P); c0s: 64-row tail tiles, whose predicated TMA copies
 # Mosaic GPU's interpreter does not take (it miscounts a predicate operand), so their oracle test
 # needs the GPU.
 _CONTINUOUS["c0p"] = autotune.Config(block_m=64, block_n=256, max_concurrent_steps=3, grid_block_n=2, continuous=True,
@@ -428,6 +429,8 @@ def test_continuous_config_validation():
     autotune.Config(continuous=True, short_tiles=True, split_rows=True)
   with pytest.raises(ValueError, match="store_cols"):
     autotune.Config(store_cols=64)  # only with the continuous pipeline
+  with pytest.raises(ValueError, match="block_n=256"):
+    autotune.Config(block_n=256)  # stores of 256 columns: only in the continuous pipeline's chunks
   with pytest.raises(ValueError, match="store_cols"):
     autotune.Config(continuous=True, block_n=128, store_cols=96)
   # The output buffer shrinks to the chunk's width: a fourth stage of 128 x 256 fits beside it.

@@ -52,7 +52,8 @@ class Config:
   m64nN wgmma per K slice), and one whose half holds none of the group's rows runs no MMAs, which
   covers what `short_tiles` does (the two do not combine). `store_cols` (continuous forward/dx; dW
   ignores it): a consumer stores its tile `store_cols` columns at a time through a buffer that
-  narrow, so the output tile's shared memory can hold one more pipeline stage instead.
+  narrow, so the output tile's shared memory can hold one more pipeline stage instead; 0 stores
+  whole tiles of up to 128 columns, wider ones in 128-column chunks (`tiled.MAX_STORE_COLS`).
   """
 
   block_m: int = 128
@@ -82,6 +83,9 @@ class Config:
     if self.short_tiles and self.split_rows:
       raise ValueError("Config.short_tiles and Config.split_rows do not combine: split_rows already skips a "
                        "warpgroup's rows past the group.")
+    if self.block_n > 128 and not self.continuous:
+      raise ValueError(f"Config.block_n={self.block_n} > 128 needs continuous=True (whose stores go out in "
+                       "128-column chunks).")
     if self.store_cols and (not self.continuous or self.store_cols % 64 or self.block_n % self.store_cols):
       raise ValueError(f"Config.store_cols={self.store_cols!r} must be 0, or a multiple of 64 dividing "
                        f"block_n={self.block_n} with continuous=True.")
@@ -99,9 +103,10 @@ class Config:
     return 2 * self.block_m if self.split_rows else self.block_m
 
   def smem_bytes(self, itemsize: int) -> int:
-    """Shared memory of the input pipeline plus the output buffer (dW's buffer is a whole tile: it
-    ignores `store_cols`)."""
-    out_columns = self.columns // self.block_n * self.store_cols if self.store_cols else self.columns
+    """Shared memory of the input pipeline plus the forward/dx output buffer (at most 128 columns a
+    consumer; dW's buffer is its whole tile, which the kernels keep at most 256 x 256)."""
+    store_cols = self.store_cols or min(self.block_n, 128)  # tiled.MAX_STORE_COLS
+    out_columns = self.columns // self.block_n * store_cols
     return (self.max_concurrent_steps * (self.rows + self.columns) * self.block_k
             + self.rows * out_columns) * itemsize
 

@@ -72,6 +72,13 @@ def tile_table(group_sizes: jax.Array, tile_m: int, num_tiles: int, m: int | Non
   return jnp.stack([group, jnp.where(used, first_row, 0), lo, hi]).astype(jnp.int32)
 
 
+# Widest output chunk a consumer stores at once. On an H100, the power-of-two row runs of a partial
+# tile 256 bf16 columns wide (split_rows at block_n 256) left the row after the last run wrong in its
+# first 192 columns (`JAX_PLATFORMS=cuda pytest tests/test_grouped_matmul.py -k oracle`, variant c0p;
+# the interpreter agrees with the oracle); in 128-column chunks every case is exact.
+MAX_STORE_COLS = 128
+
+
 def _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, tile_m: int, tile_n: int):
   """Copies rows [lo, hi) of the tile at out_smem[smem_row:] to out_gmem[first_row + lo:first_row + hi, col:].
 
@@ -332,7 +339,7 @@ def _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config: Config, tra
   transforms = smem_transforms(tile_k, dtype)
   rhs_block = (columns, tile_k) if transpose_rhs else (tile_k, columns)
   short_m = 64 if config.short_tiles and tile_m > 64 else None
-  store_cols = config.store_cols or tile_n
+  store_cols = config.store_cols or min(tile_n, MAX_STORE_COLS)
 
   def kernel(table_gmem, lhs_gmem, rhs_gmem, out_gmem):
     @functools.partial(
