@@ -31,6 +31,13 @@ _STATE = {"enabled": None}  # None: read HYSCALE_AUTOTUNE
 _MEMORY: dict[str, dict] = {}  # cache file path -> its entries, read once per process
 
 
+# Widest output chunk a consumer stores at once. On an H100, the power-of-two row runs of a partial
+# tile 256 bf16 columns wide (split_rows at block_n 256) left the row after the last run wrong in its
+# first 192 columns (`JAX_PLATFORMS=cuda pytest tests/test_grouped_matmul.py -k oracle`, variant c0p;
+# the interpreter agrees with the oracle); in 128-column chunks every case is exact.
+MAX_STORE_COLS = 128
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tiling of the grouped-matmul kernels (`tiled.py`).
@@ -53,7 +60,7 @@ class Config:
   covers what `short_tiles` does (the two do not combine). `store_cols` (continuous forward/dx; dW
   ignores it): a consumer stores its tile `store_cols` columns at a time through a buffer that
   narrow, so the output tile's shared memory can hold one more pipeline stage instead; 0 stores
-  whole tiles of up to 128 columns, wider ones in 128-column chunks (`tiled.MAX_STORE_COLS`).
+  whole tiles of up to 128 columns, wider ones in 128-column chunks (`MAX_STORE_COLS`).
   """
 
   block_m: int = 128
@@ -83,7 +90,7 @@ class Config:
     if self.short_tiles and self.split_rows:
       raise ValueError("Config.short_tiles and Config.split_rows do not combine: split_rows already skips a "
                        "warpgroup's rows past the group.")
-    if self.block_n > 128 and not self.continuous:
+    if self.block_n > MAX_STORE_COLS and not self.continuous:
       raise ValueError(f"Config.block_n={self.block_n} > 128 needs continuous=True (whose stores go out in "
                        "128-column chunks).")
     if self.store_cols and (not self.continuous or self.store_cols % 64 or self.block_n % self.store_cols):
@@ -103,9 +110,10 @@ class Config:
     return 2 * self.block_m if self.split_rows else self.block_m
 
   def smem_bytes(self, itemsize: int) -> int:
-    """Shared memory of the input pipeline plus the forward/dx output buffer (at most 128 columns a
-    consumer; dW's buffer is its whole tile, which the kernels keep at most 256 x 256)."""
-    store_cols = self.store_cols or min(self.block_n, 128)  # tiled.MAX_STORE_COLS
+    """Shared memory of the input pipeline plus the forward/dx output buffer (at most MAX_STORE_COLS
+    columns a consumer; dW's buffer holds its whole tile, the same bytes at the block_n <= 128 it is
+    tuned over)."""
+    store_cols = self.store_cols or min(self.block_n, MAX_STORE_COLS)
     out_columns = self.columns // self.block_n * store_cols
     return (self.max_concurrent_steps * (self.rows + self.columns) * self.block_k
             + self.rows * out_columns) * itemsize

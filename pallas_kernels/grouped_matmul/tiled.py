@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._hopper import smem_transforms
-from pallas_kernels.grouped_matmul.autotune import Config
+from pallas_kernels.grouped_matmul.autotune import MAX_STORE_COLS, Config
 
 
 def max_tiles(m: int, g: int, tile_m: int) -> int:
@@ -70,13 +70,6 @@ def tile_table(group_sizes: jax.Array, tile_m: int, num_tiles: int, m: int | Non
   lo = jnp.where(used, jnp.maximum(starts[group] - first_row, 0), 0)
   hi = jnp.where(used, jnp.minimum(ends[group] - first_row, tile_m), 0)
   return jnp.stack([group, jnp.where(used, first_row, 0), lo, hi]).astype(jnp.int32)
-
-
-# Widest output chunk a consumer stores at once. On an H100, the power-of-two row runs of a partial
-# tile 256 bf16 columns wide (split_rows at block_n 256) left the row after the last run wrong in its
-# first 192 columns (`JAX_PLATFORMS=cuda pytest tests/test_grouped_matmul.py -k oracle`, variant c0p;
-# the interpreter agrees with the oracle); in 128-column chunks every case is exact.
-MAX_STORE_COLS = 128
 
 
 def _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, tile_m: int, tile_n: int):
