@@ -91,8 +91,8 @@ class Config:
       raise ValueError("Config.short_tiles and Config.split_rows do not combine: split_rows already skips a "
                        "warpgroup's rows past the group.")
     if self.block_n > MAX_STORE_COLS and not self.continuous:
-      raise ValueError(f"Config.block_n={self.block_n} > 128 needs continuous=True (whose stores go out in "
-                       "128-column chunks).")
+      raise ValueError(f"Config.block_n={self.block_n} > {MAX_STORE_COLS} needs continuous=True (whose stores "
+                       f"go out in {MAX_STORE_COLS}-column chunks).")
     if self.store_cols and (not self.continuous or self.store_cols % 64 or self.block_n % self.store_cols):
       raise ValueError(f"Config.store_cols={self.store_cols!r} must be 0, or a multiple of 64 dividing "
                        f"block_n={self.block_n} with continuous=True.")
@@ -109,21 +109,27 @@ class Config:
     """Output rows per CTA (dW: of P): one warpgroup's worth (two with `split_rows`)."""
     return 2 * self.block_m if self.split_rows else self.block_m
 
+  @property
+  def store_width(self) -> int:
+    """Columns a forward/dx consumer stores at once: `store_cols`, else its tile up to MAX_STORE_COLS."""
+    return self.store_cols or min(self.block_n, MAX_STORE_COLS)
+
   def smem_bytes(self, itemsize: int) -> int:
-    """Shared memory of the input pipeline plus the forward/dx output buffer (at most MAX_STORE_COLS
-    columns a consumer; dW's buffer holds its whole tile, the same bytes at the block_n <= 128 it is
-    tuned over)."""
-    store_cols = self.store_cols or min(self.block_n, MAX_STORE_COLS)
-    out_columns = self.columns // self.block_n * store_cols
+    """Shared memory of the input pipeline plus the forward/dx output buffer (`store_width` columns a
+    consumer; dW's buffer holds its whole tile, the same bytes at the block_n <= 128 it is tuned
+    over)."""
+    out_columns = self.columns // self.block_n * self.store_width
     return (self.max_concurrent_steps * (self.rows + self.columns) * self.block_k
             + self.rows * out_columns) * itemsize
 
   @classmethod
   def heuristics(cls, kind: str, m: int, k: int, n: int, g: int) -> "Config":
     """The default when nothing is cached: 128 x 256 CTA tiles, 3 stages (208 KiB of bf16), snake
-    bands of 8 N blocks for forward and dx where they tile the blocks exactly, else 4, and for dW 4
-    (1 under 4 blocks): the best of the configs swept at the bench shapes on the H200 (bench/NOTES.md
-    2026-12-04). An N that 256 does not divide still takes 256-column CTAs when that pads it by at
+    bands of 4 N blocks for the forward (H100 sweep, bench/NOTES.md 2026-12-05), for dx 8 where they
+    tile the blocks exactly (or, for items of at most 16 K steps, where there are 8) else 4, and for
+    dW 4 (1 under 4 blocks): the best of the configs swept at the bench shapes on the H200
+    (bench/NOTES.md 2026-12-04). A fourth stage, with the output stored in 64-column chunks, for
+    continuous forwards and those short dx items (`with_more_stages`). An N that 256 does not divide still takes 256-column CTAs when that pads it by at
     most 20% (the kernels read the columns past N as zeros: Qwen's 640 = 2.5 CTAs ran 355.8 against
     325.4 TFLOP/s on 128-column CTAs, dW 306.3 against 267.1), else 128-column CTAs, 4 stages.
     dW's block_m also tiles its output's K (= P) axis: 64 when 128 does not divide it, so the wrapper

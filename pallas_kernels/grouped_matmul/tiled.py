@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._hopper import smem_transforms
-from pallas_kernels.grouped_matmul.autotune import MAX_STORE_COLS, Config
+from pallas_kernels.grouped_matmul.autotune import Config
 
 
 def max_tiles(m: int, g: int, tile_m: int) -> int:
@@ -332,7 +332,7 @@ def _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config: Config, tra
   transforms = smem_transforms(tile_k, dtype)
   rhs_block = (columns, tile_k) if transpose_rhs else (tile_k, columns)
   short_m = 64 if config.short_tiles and tile_m > 64 else None
-  store_cols = config.store_cols or min(tile_n, MAX_STORE_COLS)
+  store_cols = config.store_width
 
   def kernel(table_gmem, lhs_gmem, rhs_gmem, out_gmem):
     @functools.partial(
