@@ -263,6 +263,17 @@ def test_tile_table_covers_every_row_of_every_group_once(sizes, m):
   assert (hi[hi <= lo] == 0).all() and (np.cumsum(hi > lo) == np.arange(1, num_tiles + 1))[: (hi > lo).sum()].all()
 
 
+def test_tile_and_group_tables_run_no_loop():
+  """The tables are straight-line XLA: a while loop (jnp.searchsorted's default binary search) runs
+  its steps as separate GPU launches, 0.25 ms before every grouped matmul (bench/NOTES.md 2026-12-06)."""
+  from pallas_kernels.grouped_matmul import tiled  # noqa: PLC0415
+
+  sizes = jnp.asarray([0, 5, 130, 0, 256], jnp.int32)
+  for table in (lambda s: tiled.tile_table(s, 64, tiled.max_tiles(420, 5, 64), 420), tiled.group_table):
+    primitives = {eqn.primitive.name for eqn in jaxpr_tools.equations(jax.make_jaxpr(table)(sizes))}
+    assert not primitives & {"while", "scan", "cond"}, primitives
+
+
 # ---- the Pallas backend lowered for CUDA on CPU (shapes, padding, the custom_vjp wiring) ----
 
 @pytest.mark.parametrize("m, k, n, transpose_rhs", [(300, 96, 200, False), (1024, 256, 384, True), (7, 64, 128, False)])
