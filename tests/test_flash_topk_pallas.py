@@ -587,3 +587,7 @@ def test_segment_first_keys_is_each_querys_first_key_of_its_segment():
   want = [next((s for s in range(len(kv_seg)) if kv_seg[s] == g), len(kv_seg)) for g in q_seg]
   np.testing.assert_array_equal(np.asarray(segment_first_keys(jnp.asarray(q_seg), jnp.asarray(kv_seg))), want)
   assert want == [0, 2, 6, 9, 4, 10, 2, 6, 0, 10]
+  # Straight-line XLA: jnp.searchsorted's default method is a scan, a while loop whose steps the GPU
+  # launches one by one (0.25 ms before each grouped matmul, bench/NOTES.md 2026-12-06).
+  jaxpr = jax.make_jaxpr(segment_first_keys)(jnp.asarray(q_seg), jnp.asarray(kv_seg))
+  assert not {eqn.primitive.name for eqn in equations(jaxpr)} & {"while", "scan"}

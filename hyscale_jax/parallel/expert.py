@@ -122,7 +122,8 @@ def _dispatch(x, ids, weights, grouped_fn, n: int, e_local: int):
 
   # Each received block is sorted by local expert; regroup all blocks by local expert.
   ends = jnp.cumsum(recv_counts, axis=1)  # [n, E/n]
-  local_expert = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(C), side="right"))(ends)  # [n, C]
+  local_expert = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(C), side="right", method="scan_unrolled"))(
+      ends)  # [n, C]; unrolled: no while loop on the GPU
   regroup = jnp.argsort(local_expert.reshape(-1), stable=True)  # [n*C], padding (E/n) last
   out = grouped_fn(recv.reshape(n * C, D)[regroup], recv_counts.sum(axis=0), *weights)  # f32[n*C, D]
   out = jnp.zeros_like(out).at[regroup].set(out).reshape(n, C, D)  # back in received order
@@ -153,7 +154,8 @@ def _dispatch_ragged(x, ids, weights, grouped_fn, n: int, e_local: int):
                             exclusive(sent, 0)[me], recv_sizes, axis_name=EXPERT_AXIS)  # [n*C, D] packed
 
   # Received rows run (sender, local expert)-major; regroup by local expert, unused rows last.
-  segment = jnp.searchsorted(jnp.cumsum(recv_counts.reshape(-1)), jnp.arange(n * C), side="right")  # [n*C]
+  segment = jnp.searchsorted(jnp.cumsum(recv_counts.reshape(-1)), jnp.arange(n * C), side="right",
+                             method="scan_unrolled")  # [n*C]; unrolled: no while loop on the GPU
   local_expert = jnp.where(segment < n * e_local, segment % e_local, e_local)
   regroup = jnp.argsort(local_expert, stable=True)  # [n*C]
   out = grouped_fn(recv[regroup], recv_counts.sum(axis=0), *weights)  # f32[n*C, D]

@@ -457,7 +457,7 @@ def segment_first_keys(q_seg, kv_seg):
   Tk = kv_seg.shape[0]
   order = jnp.argsort(kv_seg, stable=True)  # equal ids keep key order: the first is the smallest index
   ids = kv_seg[order]
-  at = jnp.searchsorted(ids, q_seg, side="left")
+  at = jnp.searchsorted(ids, q_seg, side="left", method="scan_unrolled")  # unrolled: no while loop on the GPU
   clipped = jnp.minimum(at, Tk - 1)
   found = (at < Tk) & (ids[clipped] == q_seg)
   return jnp.where(found, order[clipped], Tk).astype(jnp.int32)

@@ -44,7 +44,8 @@ def transposed_selection(indices, num_keys: int, S_pad: int, n_blocks: int):
   sorted_key = jnp.take_along_axis(key, order, axis=1)
   t, j = order // K_pad, order % K_pad
   rows = (t * (n_blocks * K_pad) + j).astype(jnp.int32)
-  bounds = jax.vmap(lambda k: jnp.searchsorted(k, jnp.arange(S_pad + 1), side="left"))(sorted_key)
+  bounds = jax.vmap(lambda k: jnp.searchsorted(k, jnp.arange(S_pad + 1), side="left", method="scan_unrolled"))(
+      sorted_key)  # unrolled: no while loop on the GPU
   bounds = bounds.astype(jnp.int32)
   return rows, bounds[:, :-1], bounds[:, 1:] - bounds[:, :-1]
 
