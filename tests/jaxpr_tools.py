@@ -41,3 +41,9 @@ def equations(jaxpr):
 def largest_intermediate(jaxpr) -> int:
   """The largest output aval, in elements, over all equations (sub-jaxprs included)."""
   return max(int(np.prod(getattr(v.aval, "shape", ()))) for e in equations(jaxpr) for v in e.outvars)
+
+
+def lowers_to_loop(fn, *args) -> bool:
+  """Whether `fn` lowers to a StableHLO while loop, whose steps a GPU runs as launches one after
+  another (a lax.scan that is not unrolled, jnp.searchsorted's default method)."""
+  return "stablehlo.while" in jax.jit(fn).lower(*args).as_text()

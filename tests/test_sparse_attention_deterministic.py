@@ -16,12 +16,12 @@ from pallas_kernels.sparse_attention.key_major import key_major_sum, transposed_
 
 try:
   from tests.attention_shapes import MLA_DK, mla_backward_inputs
-  from tests.jaxpr_tools import equations, export_for_h200
+  from tests.jaxpr_tools import equations, export_for_h200, lowers_to_loop
   from tests.oracles import sparse_attention_grads_oracle
   from tests.test_sparse_attention_pallas import _CASES, _VALUE_FROM_KEY_CASES, _inputs
 except ImportError:  # tests/ itself is on sys.path
   from attention_shapes import MLA_DK, mla_backward_inputs
-  from jaxpr_tools import equations, export_for_h200
+  from jaxpr_tools import equations, export_for_h200, lowers_to_loop
   from oracles import sparse_attention_grads_oracle
   from test_sparse_attention_pallas import _CASES, _VALUE_FROM_KEY_CASES, _inputs
 
@@ -118,6 +118,7 @@ def test_key_major_sum_is_the_sequential_f32_sum_in_the_documented_order():
   slabs = [(rng.standard_normal((B, T, G * bpg, K_pad, d)) * magnitudes((B, T, G * bpg, K_pad, 1))).astype(np.float32)
            for d in dims]
   accs = [rng.standard_normal((B, S_pad, G, d)).astype(np.float32) for d in dims]
+  assert not lowers_to_loop(lambda i: transposed_selection(i, S, S_pad, G * bpg), jnp.asarray(idx))
   got = key_major_sum([jnp.asarray(x) for x in slabs], *transposed_selection(jnp.asarray(idx), S, S_pad, G * bpg),
                       [jnp.asarray(a) for a in accs], blocks_per_group=bpg, key_block=4, interpret=True)
   want, backwards = [a.copy() for a in accs], [a.copy() for a in accs]
