@@ -16,6 +16,7 @@ from hyscale_jax.layers.hyper_connections import (GatedResidual, ManifoldHyperCo
                                                   sinkhorn)
 from hyscale_jax.layers.moe import MoE, RouterBias, update_router_bias
 from hyscale_jax.model_config import ModelConfig
+from tests import jaxpr_tools
 
 B, T, N, D = 2, 8, 3, 16
 
@@ -26,6 +27,9 @@ def test_sinkhorn_is_near_doubly_stochastic():
   assert (m > 0).all()
   np.testing.assert_allclose(m.sum(-2), 1.0, atol=1e-5)  # columns: normalised last
   np.testing.assert_allclose(m.sum(-1), 1.0, atol=1e-3)
+  # Unrolled, forward and backward: a loop would run its 20 steps as launches one after another.
+  grad = jax.grad(lambda x: sinkhorn(x, iters=20, eps=1e-6).sum())
+  assert not jaxpr_tools.lowers_to_loop(grad, logits)
 
 
 def test_mhc_with_identity_mixing_is_a_weighted_residual():

@@ -40,7 +40,8 @@ def sinkhorn(logits: Float[Array, "... N N"], iters: int, eps: float) -> Float[A
   m = jax.nn.softmax(logits.astype(jnp.float32), axis=-1) + eps
   columns = lambda m: m / (m.sum(-2, keepdims=True) + eps)
   rows = lambda m: m / (m.sum(-1, keepdims=True) + eps)
-  return jax.lax.fori_loop(0, iters - 1, lambda _, m: columns(rows(m)), columns(m))
+  # Unrolled: a loop's steps are separate GPU launches one after another, each a few tiny kernels.
+  return jax.lax.fori_loop(0, iters - 1, lambda _, m: columns(rows(m)), columns(m), unroll=True)
 
 
 def _mhc_projection(streams, fn, norm_eps):
