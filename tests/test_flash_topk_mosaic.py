@@ -139,6 +139,8 @@ def test_mosaic_scorer_matches_the_oracle_and_the_triton_pass(T, q_offset, compr
   args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16),
           jnp.int32(q_offset), None if segment_ids is None else tuple(map(jnp.asarray, segment_ids)))
   config = dataclasses.replace(_MOSAIC, mosaic_chunk_bytes=chunk_bytes)
+  if T > 128:  # 8 queries a CTA: the interpreter's time halves (127 -> 73 s), the late document's CTAs still skip
+    config = dataclasses.replace(config, mosaic_block_q=8)
   assert config.candidate_slots(topk, T) == 16 < T
   jaxpr = str(jax.make_jaxpr(functools.partial(_run, topk=topk, compress_ratio=compress_ratio, config=config))(*args))
   assert "hyscale_flash_topk_mask_candidates" in jaxpr  # the Mosaic pass ran, not a fallback

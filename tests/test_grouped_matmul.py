@@ -450,12 +450,12 @@ def test_continuous_config_validation():
 
 
 def _oracle_param(variant):
-  """Short tiles need the GPU; delay_release=1 (no default picks it; the race-detector test checks its
-  values on CPU) is `slow` on CPU."""
+  """Short tiles need the GPU. On CPU, delay_release=1, split rows and 64-column stores are `slow`:
+  the race-detector test checks their values there too (c1, c0p, c0pw, c0w), at smaller shapes."""
   config = _CONTINUOUS[variant]
   if config.short_tiles:
     return pytest.param(variant, marks=[pytest.mark.gpu_only, _ON_GPU])
-  if config.delay_release and jax.default_backend() != "gpu":
+  if (config.delay_release or config.split_rows or config.store_cols) and jax.default_backend() != "gpu":
     return pytest.param(variant, marks=pytest.mark.slow)
   return variant
 
@@ -505,7 +505,9 @@ _RACE_CONFIGS = {"per_item": autotune.Config(block_n=64, max_concurrent_steps=2,
                  "c1p": autotune.Config(block_m=64, block_n=64, max_concurrent_steps=2, grid_block_n=2,
                                         continuous=True, split_rows=True, delay_release=1),
                  "c0pw": autotune.Config(block_m=64, block_n=128, max_concurrent_steps=4, grid_block_n=2,
-                                         continuous=True, split_rows=True, store_cols=64)}
+                                         continuous=True, split_rows=True, store_cols=64),
+                 "c0w": autotune.Config(block_n=128, max_concurrent_steps=2, grid_block_n=2, continuous=True,
+                                        store_cols=64)}
 
 
 def _races(output: str) -> list[str]:
