@@ -29,8 +29,9 @@ def torch_bmm(g, r, k, n, transposed, reps=20):
   from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
   a = torch.randn(g, r, k, device="cuda", dtype=torch.bfloat16)
-  b = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16)
-  b = b.transpose(1, 2) if transposed else b.reshape(g, k, n)
+  # dx reads the weights [G, N, K] transposed, as a strided view (no copy), as the grouped kernel does
+  b = (torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16).transpose(1, 2) if transposed
+       else torch.randn(g, k, n, device="cuda", dtype=torch.bfloat16))
   for _ in range(3):
     torch.bmm(a, b)
   torch.cuda.synchronize()

@@ -129,9 +129,10 @@ class Config:
     tile the blocks exactly (or, for items of at most 16 K steps, where there are 8) else 4, and for
     dW 4 (1 under 4 blocks): the best of the configs swept at the bench shapes on the H200
     (bench/NOTES.md 2026-12-04). A fourth stage, with the output stored in 64-column chunks, for
-    continuous forwards and those short dx items (`with_more_stages`). An N that 256 does not divide still takes 256-column CTAs when that pads it by at
-    most 20% (the kernels read the columns past N as zeros: Qwen's 640 = 2.5 CTAs ran 355.8 against
-    325.4 TFLOP/s on 128-column CTAs, dW 306.3 against 267.1), else 128-column CTAs, 4 stages.
+    continuous forwards and those short dx items (`with_more_stages`). An N that 256 does not divide
+    still takes 256-column CTAs when that pads it by at most 20% (the kernels read the columns past N
+    as zeros: Qwen's 640 = 2.5 CTAs ran 355.8 against 325.4 TFLOP/s on 128-column CTAs, dW 306.3
+    against 267.1), else 128-column CTAs, 4 stages.
     dW's block_m also tiles its output's K (= P) axis: 64 when 128 does not divide it, so the wrapper
     need not pad (a padded operand is a copy). The continuous pipeline for every dW and for forward/dx
     items of at most 64 K steps (measured in one process at the bench shapes, bench/NOTES.md
