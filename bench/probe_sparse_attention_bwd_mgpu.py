@@ -30,7 +30,8 @@ MOSAIC = mgpu_backward.Config
 VARIANTS = {"triton": TRITON, "mosaic": MOSAIC(), "mosaic_cols64": MOSAIC(dkv_cols=64),
             "mosaic_regs232": MOSAIC(consumer_registers=232, producer_registers=40),
             "mosaic_no_scatter": MOSAIC(skip_scatter=True),  # a diagnostic: dK stays zero
-            "mosaic_no_l2_hint": MOSAIC(dk_evict_last=False)}
+            "mosaic_no_l2_hint": MOSAIC(dk_evict_last=False),
+            "mosaic_one_launch": MOSAIC(lockstep_waves=False)}  # the schedule before lockstep waves
 _pallas_backward_fn = base.backward_fn
 
 

@@ -26,6 +26,15 @@ lse and dlse f32 [B, T, H] -> dq [B, T, H, Dk], dk f32 [B, S, 1, Dk] (value grad
 Shared memory at MLA dims: Q 72 KiB, dO 64, the key tile 72, P and dS 8 each: 224 KiB of the 227, so
 one gathered stage: the producer fills it again while the consumers form and scatter dK rows.
 
+Lockstep waves (`Config.lockstep_waves`, the default): each row's indices are sorted by key, and the
+tokens go in launches of one CTA per SM, in a loop. The CTAs of a launch start together and walk
+their keys in ascending order at about the same pace, so at any moment they gather and add into a
+narrow range of rows, which stays in L2. In one launch over all tokens CTAs start whenever an SM
+frees, at every phase of their rows, and at 64K the rows they touch (dK f32 151 MB, K 75 MB) far
+exceed the L2. On an H100 at MLA 64K (bench/NOTES.md, 2026-12-06): 366.6 -> 286.8 ms; 16K 67.3 ->
+66.5. The same slots with keys taken mod 8,192 ran in 261.6 ms: the L2 miss, not the work, was the
+64K loss.
+
 On the H200 (bench/probe_sparse_attention_bwd_mgpu.py, one call beside the Triton backward; FLOPs
 TileLang's `2 T H k (3 Dk + 2 Dv)`, causal random selections, k 2048): MLA 16K 57.50 ms = 205.5 TFLOP/s
 (Triton 134.47; TileLang's sparse_mla_bwd 66.5 in an earlier call), 64K 283.41 = 166.8 (Triton
@@ -63,8 +72,9 @@ _LOG2E = math.log2(math.e)
 class Config:
   """Register splits of the three warpgroups (consumers, producer), the width of the dK chunks (columns
   of dK rows per MMA and scatter: 64 or 128), `dk_evict_last` (the adds carry an L2 evict_last hint,
-  so the f32 dK rows outlive the gathered key rows in L2), and `skip_scatter`, a timing diagnostic only
-  (dK stays zero: what the atomic adds cost).
+  so the f32 dK rows outlive the gathered key rows in L2), `lockstep_waves` (rows sorted by key, a
+  launch per SM count of CTAs: see the module docstring; False, one launch for all tokens), and
+  `skip_scatter`, a timing diagnostic only (dK stays zero: what the atomic adds cost).
 
   At MLA dims, 16K on the H200 (bench/NOTES.md, `bench/probe_sparse_attention_bwd_mgpu.py`): 64-column
   chunks 65.82 ms, 128 59.74, 128 with 240 / 24 registers 57.50 (the default); without the scatter
@@ -86,6 +96,7 @@ class Config:
   dkv_cols: int = 128
   skip_scatter: bool = False
   dk_evict_last: bool = True
+  lockstep_waves: bool = True
 
   def __post_init__(self):
     if self.dkv_cols not in (64, 128):
@@ -144,8 +155,8 @@ def _scatter_add(dk_ref, rows, keys, col0, evict_last: bool):
   scatter(dk_ref, rows, keys)
 
 
-def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, steps_gmem, dk_gmem, dq_gmem, *,
-                     scale, consumer_registers, producer_registers, dkv_cols, skip_scatter, dk_evict_last):
+def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, steps_gmem, *refs,
+                     scale, consumer_registers, producer_registers, dkv_cols, skip_scatter, dk_evict_last, waves):
   # Inputs: q [B, T, H, Dk], k [B, S, Dk], indices int32 [B, T, K_pad], dout [B, T, H, Dv], lse2 f32
   # [B, T, H] (lse log2 e, 0 where -inf), delta f32 [B, T, H], steps int32 [B, T] (live steps),
   # dk f32 [B, S, Dk] (a zeroed Ref that takes the atomic adds). Output: dq [B, T, H, Dk].
@@ -153,7 +164,16 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
   dv = do_gmem.shape[3]
   T, n_heads = q_gmem.shape[1], q_gmem.shape[2] // _HEADS
   cta = lax.axis_index("cta")
-  h, t, b = lax.rem(cta, n_heads), lax.rem(lax.div(cta, n_heads), T), lax.div(cta, n_heads * T)
+  if waves:  # this launch's tokens start at first_gmem[0] (flat over B, T); the last launch's run past B * T
+    first_gmem, dk_gmem, dq_gmem = refs
+    flat = first_gmem[0] + lax.div(cta, n_heads)
+    live = flat < q_gmem.shape[0] * T
+    flat = jnp.minimum(flat, q_gmem.shape[0] * T - 1)
+    h, t, b = lax.rem(cta, n_heads), lax.rem(flat, T), lax.div(flat, T)
+  else:
+    dk_gmem, dq_gmem = refs
+    live = jnp.bool_(True)
+    h, t, b = lax.rem(cta, n_heads), lax.rem(lax.div(cta, n_heads), T), lax.div(cta, n_heads * T)
   dtype = q_gmem.dtype
   heads = pl.ds(h * _HEADS, _HEADS)
   groups, chunks = _column_groups(dk, dv), _dkv_chunks(dk, dv, dkv_cols)
@@ -162,7 +182,7 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
 
   def body(q_smem, do_smem, k_smem, p_smem, ds_smem, bars, q_bar, do_bar, p_ready, ds_ready, pds_free):
     wg = lax.axis_index("wg")
-    n_steps = steps_gmem[b, t]
+    n_steps = jnp.where(live, steps_gmem[b, t], 0)
     fwd._init_gather_barriers(bars)
     wait_rows, free_slot = functools.partial(fwd._wait_rows, bars), functools.partial(fwd._free_slot, bars)
     step_ids = lambda i, layout: plgpu.load(idx_gmem.at[b, t, pl.ds(i * _BLOCK_K, _BLOCK_K)], layout=layout,
@@ -193,10 +213,13 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
       for acc, (col, width) in zip(accs, my_groups):
         key_tile[:, pl.ds(col, width)] = acc.astype(dtype)  # this consumer's columns of the tile are free
       plgpu.commit_smem()
-      for col, width in my_groups:
-        for r in range(_HEADS // 8):  # a TMA store reads contiguous shared memory: one 8-row tile row each
-          plgpu.copy_smem_to_gmem(key_tile.at[pl.ds(8 * r, 8), pl.ds(col, width)],
-                                  dq_gmem.at[b, t, pl.ds(h * _HEADS + 8 * r, 8), pl.ds(col, width)])
+
+      @pl.when(live)
+      def _():
+        for col, width in my_groups:
+          for r in range(_HEADS // 8):  # a TMA store reads contiguous shared memory: one 8-row tile row each
+            plgpu.copy_smem_to_gmem(key_tile.at[pl.ds(8 * r, 8), pl.ds(col, width)],
+                                    dq_gmem.at[b, t, pl.ds(h * _HEADS + 8 * r, 8), pl.ds(col, width)])
       plgpu.wait_smem_to_gmem(0)
 
     zeros = lambda width: plgpu.layout_cast(jnp.zeros((_HEADS, width), jnp.float32), plgpu.Layout.WGMMA)
@@ -327,17 +350,35 @@ def sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, *, scale
   delta = row_delta(out, dout, dlse)
   lse2 = jnp.where(jnp.isfinite(lse), f32(lse) * _LOG2E, 0.0)  # an empty row's P is 0 by its mask
   dk_acc = jax.new_ref(jnp.zeros((B, S, Dk), jnp.float32))
-  kernel = functools.partial(_backward_kernel, scale=float(scale), consumer_registers=config.consumer_registers,
-                             producer_registers=config.producer_registers, dkv_cols=config.dkv_cols,
-                             skip_scatter=config.skip_scatter, dk_evict_last=config.dk_evict_last)
-  dq = plgpu.kernel(
-      kernel,
-      out_type=jax.ShapeDtypeStruct((B, T, H, Dk), q.dtype),
-      grid=(B * T * (H // _HEADS),),
+  launch = functools.partial(
+      plgpu.kernel,
+      functools.partial(_backward_kernel, scale=float(scale), consumer_registers=config.consumer_registers,
+                        producer_registers=config.producer_registers, dkv_cols=config.dkv_cols,
+                        skip_scatter=config.skip_scatter, dk_evict_last=config.dk_evict_last,
+                        waves=config.lockstep_waves),
       grid_names=("cta",),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       kernel_name="hyscale_sparse_attention_bwd",
-  )(q, k[:, :, 0], indices, dout.astype(q.dtype), lse2, delta, fwd.live_steps(indices, S, _BLOCK_K), dk_acc)
+  )
+  dout, keys = dout.astype(q.dtype), k[:, :, 0]
+  if config.lockstep_waves:
+    # Each row's keys in ascending order (the sum over slots does not care), the skipped entries last.
+    past = jnp.int32(jnp.iinfo(jnp.int32).max)
+    indices = jnp.sort(jnp.where((indices >= 0) & (indices < S), indices, past), axis=-1)
+    indices = jnp.where(indices == past, -1, indices)
+    tokens = max(1, jax.devices()[0].core_count // (H // _HEADS))  # one CTA per SM a launch
+    dq_ref = jax.new_ref(jnp.zeros((B, T, H, Dk), q.dtype))
+    steps = fwd.live_steps(indices, S, _BLOCK_K)
+    call = launch(grid=(tokens * (H // _HEADS),))
+
+    def wave(i, carry):
+      call(q, keys, indices, dout, lse2, delta, steps, jnp.full((1,), i * tokens, jnp.int32), dk_acc, dq_ref)
+      return carry
+
+    lax.fori_loop(0, pl.cdiv(B * T, tokens), wave, 0)
+    return dq_ref[...], dk_acc[...][:, :, None]
+  dq = launch(out_type=jax.ShapeDtypeStruct((B, T, H, Dk), q.dtype), grid=(B * T * (H // _HEADS),))(
+      q, keys, indices, dout, lse2, delta, fwd.live_steps(indices, S, _BLOCK_K), dk_acc)
   return dq, dk_acc[...][:, :, None]
