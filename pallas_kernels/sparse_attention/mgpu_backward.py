@@ -31,9 +31,9 @@ tokens go in launches of one CTA per SM, in a loop. The CTAs of a launch start t
 their keys in ascending order at about the same pace, so at any moment they gather and add into a
 narrow range of rows, which stays in L2. In one launch over all tokens CTAs start whenever an SM
 frees, at every phase of their rows, and at 64K the rows they touch (dK f32 151 MB, K 75 MB) far
-exceed the L2. On an H100 at MLA 64K (bench/NOTES.md, 2026-12-06): 366.6 -> 286.8 ms; 16K 67.3 ->
-66.5. The same slots with keys taken mod 8,192 ran in 261.6 ms: the L2 miss, not the work, was the
-64K loss.
+exceed the L2. On an H100 at MLA 64K (bench/NOTES.md, 2026-12-06): 371.1 ms in one launch, 285.2 in
+waves (the row sort, 6.9 ms, included); 16K 67.3 -> 66.5. The same slots with the keys taken mod
+8,192 ran in 261.6 ms in one launch: the L2 misses, not the work, were the 64K loss.
 
 On the H200 (bench/probe_sparse_attention_bwd_mgpu.py, one call beside the Triton backward; FLOPs
 TileLang's `2 T H k (3 Dk + 2 Dv)`, causal random selections, k 2048): MLA 16K 57.50 ms = 205.5 TFLOP/s
