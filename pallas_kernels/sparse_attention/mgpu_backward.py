@@ -159,12 +159,14 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
                      scale, consumer_registers, producer_registers, dkv_cols, skip_scatter, dk_evict_last, waves):
   # Inputs: q [B, T, H, Dk], k [B, S, Dk], indices int32 [B, T, K_pad], dout [B, T, H, Dv], lse2 f32
   # [B, T, H] (lse log2 e, 0 where -inf), delta f32 [B, T, H], steps int32 [B, T] (live steps),
-  # dk f32 [B, S, Dk] (a zeroed Ref that takes the atomic adds). Output: dq [B, T, H, Dk].
+  # dk f32 [B, S, Dk] (a zeroed Ref that takes the atomic adds). Output: dq [B, T, H, Dk]. With `waves`
+  # the refs are first int32 [1] (this launch's first token, flat over B and T), dk, and dq as a Ref that
+  # each launch fills in part.
   num_keys, dk = k_gmem.shape[1:]
   dv = do_gmem.shape[3]
   T, n_heads = q_gmem.shape[1], q_gmem.shape[2] // _HEADS
   cta = lax.axis_index("cta")
-  if waves:  # this launch's tokens start at first_gmem[0] (flat over B, T); the last launch's run past B * T
+  if waves:  # the last launch's CTAs past B * T tokens store nothing
     first_gmem, dk_gmem, dq_gmem = refs
     flat = first_gmem[0] + lax.div(cta, n_heads)
     live = flat < q_gmem.shape[0] * T
