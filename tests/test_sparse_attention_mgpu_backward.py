@@ -15,7 +15,7 @@ from hyscale_jax.ops.sparse_attention.reference import (
     sparse_attention_forward_reference,
 )
 from pallas_kernels.sparse_attention import sparse_attention as pallas_sa
-from pallas_kernels.sparse_attention.mgpu_backward import Config, check_applies, sparse_attention_backward_mgpu
+from pallas_kernels.sparse_attention.mgpu_backward import Config, check_applies, sorted_by_key, sparse_attention_backward_mgpu
 from tests.jaxpr_tools import export_for_h200
 
 _ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU")
@@ -51,6 +51,18 @@ def test_config():
   assert _dkv_chunks(576, 512, 128) == ([(0, 128), (128, 128), (512, 64)], [(256, 128), (384, 128)])
   assert _dkv_chunks(512, 512, 64) == ([(0, 64), (64, 64), (128, 64), (192, 64)],
                                        [(256, 64), (320, 64), (384, 64), (448, 64)])
+
+
+def test_sorted_by_key():
+  """The lockstep waves' row order: the valid keys ascending (repeats kept), then -1 for the rest."""
+  rng = np.random.default_rng(3)
+  idx = rng.integers(-3, 40, (2, 5, 37)).astype(np.int32)  # -1s, out-of-range keys past 32, repeats
+  idx[0, 0] = -1  # an empty row
+  idx[1, 2] = 7  # one key in every slot
+  got = np.asarray(sorted_by_key(jnp.asarray(idx), 32))
+  for row, out in zip(idx.reshape(-1, 37), got.reshape(-1, 37), strict=True):
+    valid = np.sort(row[(row >= 0) & (row < 32)])
+    np.testing.assert_array_equal(out, np.r_[valid, np.full(37 - valid.size, -1)])
 
 
 @pytest.mark.parametrize("change", ["values", "heads", "groups", "f32", "wide_keys", "deterministic"])

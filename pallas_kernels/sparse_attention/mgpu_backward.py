@@ -329,6 +329,13 @@ def check_applies(q, k, v, value_dim, deterministic=False):
     raise NotImplementedError(f"the Mosaic GPU backward takes bf16/f16 q and k, got {q.dtype}, {k.dtype}")
 
 
+def sorted_by_key(indices, num_keys: int):
+  """int32 [..., K]: each row's indices in [0, num_keys) in ascending order, then -1 for the others."""
+  past = jnp.int32(jnp.iinfo(jnp.int32).max)
+  rows = jnp.sort(jnp.where((indices >= 0) & (indices < num_keys), indices, past), axis=-1)
+  return jnp.where(rows == past, -1, rows).astype(jnp.int32)
+
+
 def sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, *, scale, config: Config | None = None):
   """(dq in q.dtype [B, T, H, Dk], dk f32 [B, S, 1, Dk]) for values = k[..., :Dv] (Dv = out's last dim).
 
@@ -366,10 +373,7 @@ def sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, *, scale
   )
   dout, keys = dout.astype(q.dtype), k[:, :, 0]
   if config.lockstep_waves:
-    # Each row's keys in ascending order (the sum over slots does not care), the skipped entries last.
-    past = jnp.int32(jnp.iinfo(jnp.int32).max)
-    indices = jnp.sort(jnp.where((indices >= 0) & (indices < S), indices, past), axis=-1)
-    indices = jnp.where(indices == past, -1, indices)
+    indices = sorted_by_key(indices, S)  # the sums over slots do not care about their order
     tokens = max(1, jax.devices()[0].core_count // (H // _HEADS))  # one CTA per SM a launch
     dq_ref = jax.new_ref(jnp.zeros((B, T, H, Dk), q.dtype))
     steps = fwd.live_steps(indices, S, _BLOCK_K)
