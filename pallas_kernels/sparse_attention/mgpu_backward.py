@@ -166,16 +166,15 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
   dv = do_gmem.shape[3]
   T, n_heads = q_gmem.shape[1], q_gmem.shape[2] // _HEADS
   cta = lax.axis_index("cta")
-  if waves:  # the last launch's CTAs past B * T tokens store nothing
+  flat = lax.div(cta, n_heads)  # the token, flat over B and T
+  if waves:
     first_gmem, dk_gmem, dq_gmem = refs
-    flat = first_gmem[0] + lax.div(cta, n_heads)
-    live = flat < q_gmem.shape[0] * T
-    flat = jnp.minimum(flat, q_gmem.shape[0] * T - 1)
-    h, t, b = lax.rem(cta, n_heads), lax.rem(flat, T), lax.div(flat, T)
+    flat = flat + first_gmem[0]
   else:
     dk_gmem, dq_gmem = refs
-    live = jnp.bool_(True)
-    h, t, b = lax.rem(cta, n_heads), lax.rem(lax.div(cta, n_heads), T), lax.div(cta, n_heads * T)
+  live = flat < q_gmem.shape[0] * T  # the last launch's CTAs past B * T tokens store nothing
+  flat = jnp.minimum(flat, q_gmem.shape[0] * T - 1)
+  h, t, b = lax.rem(cta, n_heads), lax.rem(flat, T), lax.div(flat, T)
   dtype = q_gmem.dtype
   heads = pl.ds(h * _HEADS, _HEADS)
   groups, chunks = _column_groups(dk, dv), _dkv_chunks(dk, dv, dkv_cols)
@@ -372,11 +371,12 @@ def sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, *, scale
       kernel_name="hyscale_sparse_attention_bwd",
   )
   dout, keys = dout.astype(q.dtype), k[:, :, 0]
+  if config.lockstep_waves:  # the sums over slots do not care about their order
+    indices = sorted_by_key(indices, S)
+  steps = fwd.live_steps(indices, S, _BLOCK_K)
   if config.lockstep_waves:
-    indices = sorted_by_key(indices, S)  # the sums over slots do not care about their order
     tokens = max(1, jax.devices()[0].core_count // (H // _HEADS))  # one CTA per SM a launch
     dq_ref = jax.new_ref(jnp.zeros((B, T, H, Dk), q.dtype))
-    steps = fwd.live_steps(indices, S, _BLOCK_K)
     call = launch(grid=(tokens * (H // _HEADS),))
 
     def wave(i, carry):
@@ -386,5 +386,5 @@ def sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, *, scale
     lax.fori_loop(0, pl.cdiv(B * T, tokens), wave, 0)
     return dq_ref[...], dk_acc[...][:, :, None]
   dq = launch(out_type=jax.ShapeDtypeStruct((B, T, H, Dk), q.dtype), grid=(B * T * (H // _HEADS),))(
-      q, keys, indices, dout, lse2, delta, fwd.live_steps(indices, S, _BLOCK_K), dk_acc)
+      q, keys, indices, dout, lse2, delta, steps, dk_acc)
   return dq, dk_acc[...][:, :, None]
