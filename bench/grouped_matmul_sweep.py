@@ -37,20 +37,21 @@ def parse(spec: str, problem=None) -> Config:
   """"block_m x block_n x block_k / stages / snake band[/c<delay_release>]" (block_n per warpgroup: the
   CTA has 2x; a `/c0` or `/c1` suffix runs the continuous pipeline with that delay_release, and
   letters after it: `s` 64-row tail tiles (forward), `p` warpgroups splitting the CTA's rows (a CTA
-  of 2 * block_m x block_n: forward/dx 64-row halves at block_m 64, dW's P), then `w<cols>` for
-  `store_cols`), or
+  of 2 * block_m x block_n: forward/dx 64-row halves at block_m 64, dW's P), `t` the rows on the
+  MMA's N side (`rows_as_n`: block_m rows, a multiple of 32, x block_n = 64 columns a warpgroup),
+  then `w<cols>` for `store_cols`), or
   "heur[/c<delay_release>]": `Config.heuristics` at `problem` = (kind, m, k, n, g)."""
   tiles, *rest = spec.split("/")
   if tiles != "heur":
     stages, band, *rest = rest
   pipeline = {}
   if rest:
-    found = re.fullmatch(r"c([01])([sp]*)(?:w(\d+))?", rest[0]) if len(rest) == 1 else None
+    found = re.fullmatch(r"c([01])([spt]*)(?:w(\d+))?", rest[0]) if len(rest) == 1 else None
     if not found:
       raise ValueError(f"bad config {spec!r}")
     delay, flags, store_cols = found.groups()
     pipeline = dict(continuous=True, delay_release=int(delay), short_tiles="s" in flags,
-                    split_rows="p" in flags, store_cols=int(store_cols or 0))
+                    split_rows="p" in flags, rows_as_n="t" in flags, store_cols=int(store_cols or 0))
   if tiles == "heur":
     return dataclasses.replace(Config.heuristics(*problem), **pipeline)
   block_m, block_n, block_k = (int(v) for v in tiles.split("x"))

@@ -148,9 +148,20 @@ def test_config_validation_heuristics_and_search_space():
     assert all(c.smem_bytes(2) <= 227 * 1024 for c in space)
   # A CTA spans two warpgroups' columns: 208 KiB at 128 x 256 with 3 stages.
   assert autotune.Config(max_concurrent_steps=3).smem_bytes(2) == (3 * (128 + 256) * 64 + 128 * 256) * 2
-  # Qwen's F 640: 256-column CTAs (2.5 of them; the kernels read past N as zeros), a band over all three.
+  # Qwen's 320-row experts, F 640: rows on the MMA's N side, two 160-row tiles an expert and five
+  # 128-column CTAs (no MMA past either), a snake band over all the column blocks (forward 5, dx 20).
   narrow = autotune.Config.heuristics("forward", 163840, 2560, 640, 512)
-  assert narrow.columns == 256 and narrow.grid_block_n == 4
+  assert narrow.rows_as_n and (narrow.rows, narrow.columns, narrow.grid_block_n) == (160, 128, 8)
+  assert narrow.delay_release == 1 and narrow.smem_bytes(2) <= 227 * 1024
+  narrow_dx = autotune.Config.heuristics("forward_transposed_rhs", 163840, 640, 2560, 512)
+  assert narrow_dx.rows_as_n and (narrow_dx.rows, narrow_dx.grid_block_n, narrow_dx.delay_release) == (160, 32, 0)
+  # ... and the row tiles it replaces stay in its search space: 256-column CTAs (2.5 of them; the
+  # kernels read past N as zeros)
+  row_tiles = autotune.Config.search_space("forward", 163840, 2560, 640, 512)[1]
+  assert not row_tiles.rows_as_n and row_tiles.columns == 256 and row_tiles.grid_block_n == 4
+  assert autotune.Config.search_space("forward", 131072, 6144, 2048, 256)[1].rows_as_n  # offered at GLM-5.1 too
+  with pytest.raises(ValueError, match="not dW's"):
+    autotune.Config.rows_on_n("transposed", 163840, 2560, 640, 512)
   assert autotune.Config.heuristics("transposed", 163840, 2560, 640, 512).grid_block_n == 1
   # dW: the continuous pipeline everywhere; Qwen's Q 640 = 5 x 128 with the warpgroups splitting P.
   narrow_dw = autotune.Config.heuristics("transposed", 163840, 2560, 640, 512)
@@ -163,7 +174,7 @@ def test_config_validation_heuristics_and_search_space():
   assert not autotune.Config.heuristics("forward", 131072, 6144, 2048, 256).continuous
   # The fourth stage (output in 64-column chunks) for continuous forwards and short dx items only.
   assert autotune.Config.heuristics("forward", 98304, 4096, 2048, 256).store_cols == 64
-  assert autotune.Config.heuristics("forward_transposed_rhs", 163840, 640, 2560, 512).max_concurrent_steps == 4
+  assert autotune.Config.heuristics("forward_transposed_rhs", 65536, 640, 2560, 128).max_concurrent_steps == 4
   assert autotune.Config.heuristics("forward_transposed_rhs", 131072, 2048, 6144, 256).store_cols == 0
   # A width 256-column CTAs would pad by over 20% (320 -> 512) takes 128-column ones.
   assert autotune.Config.heuristics("forward", 4096, 256, 320, 8).columns == 128
@@ -407,6 +418,11 @@ _CONTINUOUS["c0p"] = autotune.Config(block_m=64, block_n=256, max_concurrent_ste
 # c0w: the output stored in 64-column chunks through one narrow buffer (`store_cols`), with a chunk
 # of the N = 320 tile's last CTA wholly past N
 _CONTINUOUS["c0w"] = autotune.Config(block_n=128, max_concurrent_steps=3, grid_block_n=2, continuous=True, store_cols=64)
+# c0t: rows on the wgmma's N side (`rows_as_n`): 160-row tiles (not a power of two: partial tiles
+# store in runs of 128, 16, 8 ...), each consumer the transpose of a 160 x 64 block, stored through a
+# transposed view of the output buffer; forward and dx only
+_CONTINUOUS["c0t"] = autotune.Config(block_m=160, block_n=64, max_concurrent_steps=3, grid_block_n=2, continuous=True,
+                                     rows_as_n=True)
 _ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU")
 
 
@@ -424,6 +440,10 @@ def test_continuous_kernels_lower_for_cuda(variant, fake_hopper):
     exported = jaxpr_tools.export_for_h200(forward, *args, sizes)
     assert "custom_call @mosaic_gpu" in exported.mlir_module() and exported.out_avals[0].shape == (256, 192)
   args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 128), (256, 320))]
+  if config.rows_as_n:  # a forward/dx tiling
+    with pytest.raises(ValueError, match="dW kernel does not take it"):
+      jaxpr_tools.export_for_h200(lambda a, b, s: kernels._transposed(a, b, s, config), *args, sizes)
+    return
   exported = jaxpr_tools.export_for_h200(lambda a, b, s: kernels._transposed(a, b, s, config), *args, sizes)
   assert "custom_call @mosaic_gpu" in exported.mlir_module() and exported.out_avals[0].shape == (5, 128, 320)
 
@@ -443,6 +463,13 @@ def test_continuous_config_validation():
     autotune.Config(block_n=256)  # stores of 256 columns: only in the continuous pipeline's chunks
   with pytest.raises(ValueError, match="store_cols"):
     autotune.Config(continuous=True, block_n=128, store_cols=96)
+  with pytest.raises(ValueError, match="rows_as_n needs continuous"):
+    autotune.Config(block_m=160, block_n=64, rows_as_n=True)
+  with pytest.raises(ValueError, match="rows_as_n needs continuous"):
+    autotune.Config(block_m=160, block_n=128, continuous=True, rows_as_n=True)  # a consumer's columns are one M
+  with pytest.raises(ValueError, match="block_m=100 must be a multiple of 32"):
+    autotune.Config(block_m=100, block_n=64, continuous=True, rows_as_n=True)
+  assert autotune.Config(block_m=96, block_n=64, continuous=True, rows_as_n=True).rows == 96
   # The output buffer shrinks to the chunk's width: a fourth stage of 128 x 256 fits beside it.
   more = autotune.Config(max_concurrent_steps=3, continuous=True).with_more_stages()
   assert (more.max_concurrent_steps, more.store_cols) == (4, 64)
@@ -480,7 +507,7 @@ def test_pallas_continuous_kernels_against_the_oracle(variant):
       want = grouped_matmul_oracle(lhs, rhs, sizes, transpose_rhs=transpose_rhs)
       np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=0.4, rtol=2e-2)
       assert not np.asarray(out[sum(sizes):]).any()
-  if config.store_cols:  # dW ignores it: its kernel is c0's
+  if config.store_cols or config.rows_as_n:  # dW ignores store_cols (its kernel is c0's); rows_as_n is forward/dx's
     return
   group_rows = list(rng.integers(0, 41, _MANY))
   group_rows[7] = 0
@@ -507,7 +534,9 @@ _RACE_CONFIGS = {"per_item": autotune.Config(block_n=64, max_concurrent_steps=2,
                  "c0pw": autotune.Config(block_m=64, block_n=128, max_concurrent_steps=4, grid_block_n=2,
                                          continuous=True, split_rows=True, store_cols=64),
                  "c0w": autotune.Config(block_n=128, max_concurrent_steps=2, grid_block_n=2, continuous=True,
-                                        store_cols=64)}
+                                        store_cols=64),
+                 "c0t": autotune.Config(block_m=96, block_n=64, max_concurrent_steps=2, grid_block_n=2,
+                                        continuous=True, rows_as_n=True)}
 
 
 def _races(output: str) -> list[str]:
@@ -539,6 +568,8 @@ def test_kernels_race_free_under_the_race_detector(variant, capfd):
     np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=0.4, rtol=2e-2)
     assert not np.asarray(out[240:]).any()
   assert _races(capfd.readouterr().out) == []
+  if config.rows_as_n:  # a forward/dx tiling
+    return
   a, _, gs, b = _inputs(256, sizes, k=128, n=320, dtype=jnp.bfloat16)
   a, b = a.at[240:].set(jnp.nan), b.at[240:].set(jnp.inf)
   out = tiled.transposed_grouped_matmul_tiled(a, b, gs, config=config, num_sms=2, interpret=detect)

@@ -36,6 +36,8 @@ _MEMORY: dict[str, dict] = {}  # cache file path -> its entries, read once per p
 # first 192 columns (`JAX_PLATFORMS=cuda pytest tests/test_grouped_matmul.py -k oracle`, variant c0p;
 # the interpreter agrees with the oracle); in 128-column chunks every case is exact.
 MAX_STORE_COLS = 128
+# Mean rows per group at or under which forward/dx default to `Config.rows_on_n`'s 160-row tiles.
+NARROW_MEAN_ROWS = 320
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,10 @@ class Config:
   ignores it): a consumer stores its tile `store_cols` columns at a time through a buffer that
   narrow, so the output tile's shared memory can hold one more pipeline stage instead; 0 stores
   whole tiles of up to 128 columns, wider ones in 128-column chunks (`MAX_STORE_COLS`).
+  `rows_as_n` (continuous forward/dx; dW ignores it): the tile's rows go on the wgmma's N side and its
+  columns on M, as cuBLAS tiles narrow matmuls: each consumer computes the transpose of a block_m x 64
+  output block (block_n = 64), so block_m need only be a multiple of 32 (Qwen3.8-Flash-Next's
+  320-row experts in two tiles of 160 and its 640 columns in five CTAs of 128: no MMA past either).
   """
 
   block_m: int = 128
@@ -73,12 +79,18 @@ class Config:
   short_tiles: bool = False
   split_rows: bool = False
   store_cols: int = 0
+  rows_as_n: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 64 or value % 64 or value > 256:
-        raise ValueError(f"Config.{name}={value!r} must be a multiple of 64 in [64, 256].")
+      step = 32 if name == "block_m" and self.rows_as_n else 64  # rows on the MMA's N: any multiple of 8
+      if isinstance(value, bool) or not isinstance(value, int) or value < step or value % step or value > 256:
+        raise ValueError(f"Config.{name}={value!r} must be a multiple of {step} in [{step}, 256].")
+    if self.rows_as_n and (not self.continuous or self.split_rows or self.short_tiles or self.block_n != 64
+                           or self.store_cols):
+      raise ValueError("Config.rows_as_n needs continuous=True and block_n=64 (a consumer's columns are one "
+                       "wgmma's M), without split_rows, short_tiles or store_cols.")
     if not 1 <= self.max_concurrent_steps <= 8:
       raise ValueError(f"Config.max_concurrent_steps={self.max_concurrent_steps!r} must be in [1, 8].")
     if self.grid_block_n < 1 or self.grid_block_n & (self.grid_block_n - 1):
@@ -137,10 +149,38 @@ class Config:
     need not pad (a padded operand is a copy). The continuous pipeline for every dW and for forward/dx
     items of at most 64 K steps (measured in one process at the bench shapes, bench/NOTES.md
     2026-12-04 evening); 64-row tail tiles are left to tuning (faster at Qwen's forward, slower at
-    its dx and the skewed GLM-5.1 forward).
+    its dx and the skewed GLM-5.1 forward). Narrow experts (forward/dx of at most 64 K steps, a mean
+    group of at most `NARROW_MEAN_ROWS` rows) take `rows_on_n`'s tiling instead.
     """
     _check_kind(kind)
-    del m, g
+    if kind != "transposed" and k <= 64 * 64 and m <= NARROW_MEAN_ROWS * g:
+      return cls.rows_on_n(kind, m, k, n, g)
+    return cls._row_tile_heuristics(kind, k, n)
+
+  @classmethod
+  def rows_on_n(cls, kind: str, m: int, k: int, n: int, g: int) -> "Config":
+    """Forward/dx with the rows on the wgmma's N side (`rows_as_n`): 160-row tiles where the mean group
+    has at most `NARROW_MEAN_ROWS` rows (Qwen3.8-Flash-Next's 320 in two), else 256; 128-column CTAs,
+    at 160 rows in a snake band over all of N's blocks (a row tile's rows stay in L2 across them, else
+    bands of 8); five stages at 160 rows (three at 256), and for the narrow forward's long items one wgmma
+    group left in flight (`delay_release`). Measured on an H100 in one process each
+    (bench/NOTES.md, 2026-12-06): Qwen's forward 497.5 -> 534.5 TFLOP/s, its dx 434.7 -> 493.5;
+    GLM-5.1 16K forward 700.4 -> 722.1 at 256 rows (dx the same), V4-Flash's forward 712.3 -> 650.3 at
+    192 rows: a tuning candidate there, not the default.
+    """
+    if kind == "transposed":
+      raise ValueError("Config.rows_on_n: rows_as_n is a forward/dx tiling, not dW's.")
+    del k
+    narrow = m <= NARROW_MEAN_ROWS * g
+    blocks = -(-n // 128)
+    band = 1 << (blocks - 1).bit_length() if narrow else 8
+    return cls(block_m=160 if narrow else 256, block_n=64, max_concurrent_steps=5 if narrow else 3,
+               grid_block_n=band, continuous=True, delay_release=int(narrow and kind == "forward"),
+               rows_as_n=True)
+
+  @classmethod
+  def _row_tile_heuristics(cls, kind: str, k: int, n: int) -> "Config":
+    """`heuristics` with the rows on the wgmma's M side (every shape but narrow experts')."""
     block_m = 128 if kind != "transposed" or k % 128 == 0 else 64
     block_n = 128 if _pads_little(n, 256) else 64
     blocks = -(-n // (2 * block_n))
@@ -193,7 +233,10 @@ class Config:
       alternative = dataclasses.replace(heuristic, split_rows=not heuristic.split_rows)
       if k % alternative.rows == 0:
         found.append(alternative)
-    else:  # the other pipeline, the warpgroups splitting rows, and 64-row tail tiles
+    else:  # rows on N or M (whichever the heuristic is not), the other pipeline, the warpgroups splitting rows, 64-row tail tiles
+      row_tiles = cls._row_tile_heuristics(kind, k, n)
+      found.append(row_tiles if heuristic.rows_as_n else cls.rows_on_n(kind, m, k, n, g))
+      heuristic = row_tiles
       plain = dataclasses.replace(heuristic, store_cols=0,
                                   max_concurrent_steps=heuristic.max_concurrent_steps - bool(heuristic.store_cols))
       found.append(dataclasses.replace(plain, continuous=not plain.continuous))

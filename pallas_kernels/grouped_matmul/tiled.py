@@ -11,7 +11,10 @@ warpgroup that both issues the loads and runs the MMAs. Here XLA lays out the wo
 - The kernel is persistent (one CTA per SM) over (tile, N block) work items. A producer warpgroup
   streams the lhs rows and the group's weight block through a TMA pipeline; two consumer warpgroups
   each own half of the N block's columns, or with `Config.split_rows` half of the tile's rows
-  (warpgroup MMA, f32 accumulators), and store their part.
+  (warpgroup MMA, f32 accumulators), and store their part. With `Config.rows_as_n` the rows go on
+  the MMA's N side (out^T = rhs^T lhs^T, cuBLAS's tiling for narrow matmuls): a tile's row count need
+  only be a multiple of 8 (Qwen3.8-Flash-Next's 320-row experts in two tiles of 160), and each
+  consumer writes its transposed accumulator through a transposed view of the output buffer.
 - A partial tile stores its first `rows` rows as a sum of power-of-two TMA copies (TMA boxes are
   static), which the tile table makes the rare case.
 
@@ -138,7 +141,7 @@ def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs
   block_n = 2 * tile_n
   if k % tile_k:
     raise ValueError(f"K={k} must be a multiple of block_k={tile_k}.")
-  if tile_m & (tile_m - 1):
+  if tile_m & (tile_m - 1) and not config.rows_as_n:
     raise ValueError(f"block_m={tile_m} must be a power of two (partial tiles store power-of-two row runs).")
   num_tiles = max_tiles(m, g, config.rows)
   table = tile_table(group_sizes, config.rows, num_tiles, m)
@@ -399,17 +402,26 @@ def _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config: Config, tra
             row0, col = first_row, n_block * columns + wg * tile_n
 
           def rhs_view(slot):
+            if config.rows_as_n:  # this warpgroup's columns as the MMA's M: [tile_n, tile_k]
+              if transpose_rhs:
+                return rhs_smem.at[slot, pl.ds(wg * tile_n, tile_n), :]
+              return rhs_smem.at[slot, :, pl.ds(wg * tile_n, tile_n)].transpose((1, 0))
             if split:
               return rhs_smem.at[slot].transpose((1, 0)) if transpose_rhs else rhs_smem.at[slot]
             if transpose_rhs:
               return rhs_smem.at[slot, pl.ds(wg * tile_n, tile_n), :].transpose((1, 0))
             return rhs_smem.at[slot, :, pl.ds(wg * tile_n, tile_n)]
 
-          def store(values, tile_rows):
-            """values [tile_rows, tile_n] in `store_cols`-column chunks; chunks wholly past N store nothing."""
+          def store(values, tile_rows, transposed=False):
+            """values [tile_rows, tile_n] ([tile_n, tile_rows] if `transposed`: a rows_as_n accumulator,
+            written through a transposed view of the buffer) in `store_cols`-column chunks; chunks wholly
+            past N store nothing."""
             for first in range(0, tile_n, store_cols):
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous copy has read it
-              out_smem[pl.ds(smem_row, tile_rows), :] = values[:, first:first + store_cols]
+              if transposed:
+                out_smem.at[pl.ds(smem_row, tile_rows)].transpose((1, 0))[...] = values[first:first + store_cols]
+              else:
+                out_smem[pl.ds(smem_row, tile_rows), :] = values[:, first:first + store_cols]
               plgpu.commit_smem()
 
               @pl.when(col + first < n)
@@ -432,18 +444,23 @@ def _continuous_forward_kernel(m, k, n, g, num_tiles, dtype, config: Config, tra
             def mma(ki, slot, acc_ref, tile_rows=tile_rows):
               del ki
               lhs_view = lhs_smem.at[slot, pl.ds(wg * tile_m, tile_m)] if split else lhs_smem.at[slot, pl.ds(0, tile_rows)]
-              plgpu.wgmma(acc_ref, lhs_view, rhs_view(slot))
+              if config.rows_as_n:  # out^T += rhs^T lhs^T
+                plgpu.wgmma(acc_ref, rhs_view(slot), lhs_view.transpose((1, 0)))
+              else:
+                plgpu.wgmma(acc_ref, lhs_view, rhs_view(slot))
+
+            acc_shape = (tile_n, tile_rows) if config.rows_as_n else (tile_rows, tile_n)
 
             @pl.when(consumer_runs if pred is None else consumer_runs & pred)
-            def _(tile_rows=tile_rows, mma=mma):
-              @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_rows, tile_n), jnp.float32))
+            def _(tile_rows=tile_rows, mma=mma, acc_shape=acc_shape):
+              @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
               def _(acc_ref):
                 _mma_steps(acc_ref, k_steps, carry, stages, produced, consumed, config.delay_release, mma)
                 acc = acc_ref[...].astype(dtype)
 
                 @pl.when(col < n)  # a half wholly past N stores nothing
                 def _():
-                  store(acc, tile_rows)
+                  store(acc, tile_rows, transposed=config.rows_as_n)
 
           return carry + jnp.where(runs, k_steps, 0)
 
@@ -512,6 +529,8 @@ def transposed_grouped_matmul_tiled(a, b, group_sizes, *, config: Config, num_sm
   g = group_sizes.shape[0]
   tile_p, tile_q, tile_k = config.block_m, config.block_n, config.block_k
   block_q = 2 * tile_q
+  if config.rows_as_n:
+    raise ValueError("Config.rows_as_n is a forward/dx tiling; the dW kernel does not take it.")
   if p % (tile_p * (2 if config.split_rows else 1)):
     raise ValueError(f"P={p} must be a multiple of block_m={tile_p} (twice that with split_rows).")
   table = group_table(group_sizes)
