@@ -8,8 +8,9 @@ Shapes (bf16, the `full` configs; M = tokens x top-k routed rows, G = experts):
 - `glm5_16k`, `glm5_64k`: GLM-5.1 (D 6144, F 2048, E 256, top-8) at 16K and 64K tokens;
 - `dsv4_16k`: DeepSeek-V4-Flash (D 4096, F 2048, E 256, top-6) at 16K;
 - `qwen_16k`: Qwen3.8-Flash-Next (D 2560, F 640, E 512, top-10) at 16K;
-- `glm5_16k_zipf`: GLM-5.1 at 16K with a skewed load (expert e gets rows ~ 1 / (e + 1)^0.8; the
-  busiest expert has ~60x the rows of the idlest). The others split the rows evenly.
+- `glm5_16k_zipf`, `qwen_16k_zipf`: GLM-5.1 and Qwen3.8-Flash-Next at 16K with a skewed load (expert
+  e gets rows ~ 1 / (e + 1)^0.8; GLM-5.1's busiest expert has ~80x the rows of its idlest, Qwen's
+  ~150x). The others split the rows evenly.
 
 Passes, one row each per backend: `forward` x[M, D] @ W[E, D, F] (the gate/up projection),
 `dx` dout[M, F] @ W^T (`transpose_rhs`, the same W) and `dw` x_g^T @ dout_g -> [E, D, F]
@@ -65,6 +66,7 @@ SHAPES = {
     "glm5_64k": (65536, 6144, 2048, 256, 8, "uniform"),
     "dsv4_16k": (16384, 4096, 2048, 256, 6, "uniform"),
     "qwen_16k": (16384, 2560, 640, 512, 10, "uniform"),
+    "qwen_16k_zipf": (16384, 2560, 640, 512, 10, "zipf"),
 }
 SMOKE_SHAPES = {"smoke": (32, 64, 32, 4, 2, "uniform"), "smoke_zipf": (32, 64, 32, 4, 2, "zipf")}
 PASSES = ("forward", "dx", "dw")

@@ -359,7 +359,8 @@ def tune(configs: Sequence[Config], measure: Callable[[Config], float]) -> tuple
   for config in configs:
     name = "{block_m}x{block_n}x{block_k}/s{max_concurrent_steps}/g{grid_block_n}".format(**dataclasses.asdict(config))
     if config.continuous:
-      name += f"/c{config.delay_release}" + ("s" if config.short_tiles else "") + ("p" if config.split_rows else "")
+      name += (f"/c{config.delay_release}" + ("s" if config.short_tiles else "") + ("p" if config.split_rows else "")
+               + ("t" if config.rows_as_n else "") + (f"w{config.store_cols}" if config.store_cols else ""))
     try:
       seconds = float(measure(config))
     except Exception as e:  # noqa: BLE001 - a config that fails to compile or overflows smem is skipped
