@@ -52,8 +52,9 @@ def parse(spec: str, problem=None) -> Config:
     delay, flags, store_cols = found.groups()
     pipeline = dict(continuous=True, delay_release=int(delay), short_tiles="s" in flags,
                     split_rows="p" in flags, rows_as_n="t" in flags, store_cols=int(store_cols or 0))
-  if tiles == "heur":
-    return dataclasses.replace(Config.heuristics(*problem), **pipeline)
+  if tiles == "heur":  # only what the spec names: the heuristic keeps its own tiling flags
+    given = {key: value for key, value in pipeline.items() if value or key == "delay_release"}
+    return dataclasses.replace(Config.heuristics(*problem), **given)
   block_m, block_n, block_k = (int(v) for v in tiles.split("x"))
   return Config(block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=int(stages),
                 grid_block_n=int(band), **pipeline)

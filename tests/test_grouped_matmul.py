@@ -8,6 +8,7 @@ CUDA target on the CPU, which runs Mosaic's lowering and its shared-memory check
 and config logic is plain Python.
 """
 
+import dataclasses
 import json
 import math
 import re
@@ -157,11 +158,22 @@ def test_config_validation_heuristics_and_search_space():
   assert narrow_dx.rows_as_n and (narrow_dx.rows, narrow_dx.grid_block_n, narrow_dx.delay_release) == (160, 32, 0)
   # ... and the row tiles it replaces stay in its search space: 256-column CTAs (2.5 of them; the
   # kernels read past N as zeros)
-  row_tiles = autotune.Config.search_space("forward", 163840, 2560, 640, 512)[1]
-  assert not row_tiles.rows_as_n and row_tiles.columns == 256 and row_tiles.grid_block_n == 4
+  narrow_space = autotune.Config.search_space("forward", 163840, 2560, 640, 512)
+  assert [c.rows_as_n for c in narrow_space[:3]] == [True, True, False]  # either delay_release, then row tiles
+  row_tiles = narrow_space[2]
+  assert row_tiles.columns == 256 and row_tiles.grid_block_n == 4
   assert autotune.Config.search_space("forward", 131072, 6144, 2048, 256)[1].rows_as_n  # offered at GLM-5.1 too
+  wide = autotune.Config.rows_as_n_heuristics("forward", 131072, 6144, 2048, 256)
+  assert wide.rows == 256 and wide.smem_bytes(2) <= 227 * 1024
+  # Rows on N by default where a mean group computes fewer rows in 160-row tiles than in 128-row
+  # ones, items of at most 64 K steps, forward/dx only
+  for mean, want in ((100, False), (150, True), (200, False), (300, True), (320, True), (321, False),
+                     (384, False), (512, False)):
+    assert autotune.Config.heuristics("forward", mean * 64, 2560, 640, 64).rows_as_n is want, mean
+  assert not autotune.Config.heuristics("forward", 320 * 64, 4160, 640, 64).rows_as_n  # 65 K steps
+  assert not autotune.Config.heuristics("transposed", 320 * 64, 2560, 640, 64).rows_as_n
   with pytest.raises(ValueError, match="not dW's"):
-    autotune.Config.rows_on_n("transposed", 163840, 2560, 640, 512)
+    autotune.Config.rows_as_n_heuristics("transposed", 163840, 2560, 640, 512)
   assert autotune.Config.heuristics("transposed", 163840, 2560, 640, 512).grid_block_n == 1
   # dW: the continuous pipeline everywhere; Qwen's Q 640 = 5 x 128 with the warpgroups splitting P.
   narrow_dw = autotune.Config.heuristics("transposed", 163840, 2560, 640, 512)
@@ -216,6 +228,22 @@ def test_autotune_cache_measures_once_and_persists(tmp_path, monkeypatch):
   assert autotune.choose(*args, lambda c: pytest.fail("measured again")) == best
 
 
+def test_autotune_cache_entries_from_other_versions(tmp_path, monkeypatch):
+  """An entry written before `rows_as_n` existed loads as row tiles; one this version cannot build (a
+  field from a newer one, or values its validation refuses) counts as missing, not as an error."""
+  monkeypatch.setenv("HYSCALE_CACHE_DIR", str(tmp_path))
+  monkeypatch.setattr(autotune, "_MEMORY", {})
+  old = {k: v for k, v in dataclasses.asdict(autotune.Config(max_concurrent_steps=3)).items() if k != "rows_as_n"}
+  entries = {"old": {"config": old}, "newer": {"config": {**old, "a_later_field": 1}},
+             "refused": {"config": {**old, "block_m": 96}}}
+  path = autotune.cache_path("NVIDIA H200")
+  path.parent.mkdir(parents=True)
+  path.write_text(json.dumps(entries))
+  assert autotune.cached_config("NVIDIA H200", "old") == autotune.Config(max_concurrent_steps=3)
+  assert autotune.cached_config("NVIDIA H200", "newer") is None
+  assert autotune.cached_config("NVIDIA H200", "refused") is None
+
+
 def test_tuning_runs_eagerly_inside_a_trace_and_falls_back_when_nothing_runs(monkeypatch, tmp_path):
   """The Pallas wrapper tunes while the caller's jit traces: measured on concrete arrays, cached."""
   from pallas_kernels.grouped_matmul import grouped_matmul as kernels  # noqa: PLC0415
@@ -251,16 +279,16 @@ def test_autotune_env_var_and_keys(monkeypatch):
 
 # ---- the own kernel's tile table (plain jnp) ----
 
+@pytest.mark.parametrize("tile_m", [64, 160])  # 160: rows on N, not a power of two
 @pytest.mark.parametrize("sizes, m", [([0, 5, 130, 0, 256, 1, 0, 3], 420), ([1000], 1000), ([0, 0, 0], 16),
                                       ([7] * 40, 300), ("random", 5000)])
-def test_tile_table_covers_every_row_of_every_group_once(sizes, m):
+def test_tile_table_covers_every_row_of_every_group_once(sizes, m, tile_m):
   """Each group's rows (and the rows past them, as group G, which the kernel zeroes) are stored by
   exactly one tile; tiles start on 8-row boundaries."""
   from pallas_kernels.grouped_matmul import tiled  # noqa: PLC0415 - Mosaic GPU imports on CPU too
 
   if sizes == "random":
     sizes = list(np.random.default_rng(0).multinomial(m - 37, np.ones(64) / 64))  # sum below M
-  tile_m = 64
   num_tiles = tiled.max_tiles(m, len(sizes), tile_m)
   group, first, lo, hi = np.asarray(tiled.tile_table(jnp.asarray(sizes, jnp.int32), tile_m, num_tiles, m))
   owner = np.full(m, -1)
@@ -286,7 +314,8 @@ def test_tile_and_group_tables_run_no_loop():
 
 # ---- the Pallas backend lowered for CUDA on CPU (shapes, padding, the custom_vjp wiring) ----
 
-@pytest.mark.parametrize("m, k, n, transpose_rhs", [(300, 96, 200, False), (1024, 256, 384, True), (7, 64, 128, False)])
+@pytest.mark.parametrize("m, k, n, transpose_rhs", [(300, 96, 200, False), (1024, 256, 384, True), (7, 64, 128, False),
+                                                    (450, 96, 200, False), (450, 128, 200, True)])  # 150-row groups: rows on N
 def test_pallas_backend_lowers_for_cuda(m, k, n, transpose_rhs, monkeypatch, tmp_path, fake_hopper):
   """Forward and both gradients through `backend="pallas"` export for a CUDA target: three Mosaic GPU
   kernels (forward, dx, dW), odd widths padded. Catches tiling/TMA errors without a GPU."""
@@ -536,7 +565,9 @@ _RACE_CONFIGS = {"per_item": autotune.Config(block_n=64, max_concurrent_steps=2,
                  "c0w": autotune.Config(block_n=128, max_concurrent_steps=2, grid_block_n=2, continuous=True,
                                         store_cols=64),
                  "c0t": autotune.Config(block_m=96, block_n=64, max_concurrent_steps=2, grid_block_n=2,
-                                        continuous=True, rows_as_n=True)}
+                                        continuous=True, rows_as_n=True),
+                 # the narrow experts' forward default: 160 rows, 5 stages, one wgmma group in flight
+                 "c1t": autotune.Config.rows_as_n_heuristics("forward", 163840, 2560, 640, 512)}
 
 
 def _races(output: str) -> list[str]:

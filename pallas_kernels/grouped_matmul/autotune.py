@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import json
+import math
 import os
 import pathlib
 import re
@@ -36,7 +37,8 @@ _MEMORY: dict[str, dict] = {}  # cache file path -> its entries, read once per p
 # first 192 columns (`JAX_PLATFORMS=cuda pytest tests/test_grouped_matmul.py -k oracle`, variant c0p;
 # the interpreter agrees with the oracle); in 128-column chunks every case is exact.
 MAX_STORE_COLS = 128
-# Mean rows per group at or under which forward/dx default to `Config.rows_on_n`'s 160-row tiles.
+# Mean rows per group up to which forward/dx may default to `Config.rows_as_n_heuristics`'s 160-row
+# tiles (`_fewer_rows_as_n`).
 NARROW_MEAN_ROWS = 320
 
 
@@ -63,10 +65,11 @@ class Config:
   ignores it): a consumer stores its tile `store_cols` columns at a time through a buffer that
   narrow, so the output tile's shared memory can hold one more pipeline stage instead; 0 stores
   whole tiles of up to 128 columns, wider ones in 128-column chunks (`MAX_STORE_COLS`).
-  `rows_as_n` (continuous forward/dx; dW ignores it): the tile's rows go on the wgmma's N side and its
-  columns on M, as cuBLAS tiles narrow matmuls: each consumer computes the transpose of a block_m x 64
-  output block (block_n = 64), so block_m need only be a multiple of 32 (Qwen3.8-Flash-Next's
-  320-row experts in two tiles of 160 and its 640 columns in five CTAs of 128: no MMA past either).
+  `rows_as_n` (continuous forward/dx; the dW kernel refuses it): the tile's rows go on the wgmma's N
+  side and its columns on M, as cuBLAS tiles narrow matmuls: each consumer computes the transpose of
+  a block_m x 64 output block (block_n = 64), and block_m need not be a power of two: any multiple of
+  32 (the MMA's N takes multiples of 8). Qwen3.8-Flash-Next's 320-row experts go in two tiles of 160
+  and its 640 columns in five CTAs of 128: no MMA past either.
   """
 
   block_m: int = 128
@@ -84,7 +87,8 @@ class Config:
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
       value = getattr(self, name)
-      step = 32 if name == "block_m" and self.rows_as_n else 64  # rows on the MMA's N: any multiple of 8
+      # Rows on the MMA's N side could take any multiple of 8; steps of 32 keep the tuned sizes few.
+      step = 32 if name == "block_m" and self.rows_as_n else 64
       if isinstance(value, bool) or not isinstance(value, int) or value < step or value % step or value > 256:
         raise ValueError(f"Config.{name}={value!r} must be a multiple of {step} in [{step}, 256].")
     if self.rows_as_n and (not self.continuous or self.split_rows or self.short_tiles or self.block_n != 64
@@ -149,18 +153,20 @@ class Config:
     need not pad (a padded operand is a copy). The continuous pipeline for every dW and for forward/dx
     items of at most 64 K steps (measured in one process at the bench shapes, bench/NOTES.md
     2026-12-04 evening); 64-row tail tiles are left to tuning (faster at Qwen's forward, slower at
-    its dx and the skewed GLM-5.1 forward). Narrow experts (forward/dx of at most 64 K steps, a mean
-    group of at most `NARROW_MEAN_ROWS` rows) take `rows_on_n`'s tiling instead.
+    its dx and the skewed GLM-5.1 forward). Forward/dx of at most 64 K steps an item whose mean group
+    takes fewer rows in 160-row tiles than in 128-row ones (Qwen3.8-Flash-Next's 320: 320 against
+    384) take `rows_as_n_heuristics`'s tiling instead.
     """
     _check_kind(kind)
-    if kind != "transposed" and k <= 64 * 64 and m <= NARROW_MEAN_ROWS * g:
-      return cls.rows_on_n(kind, m, k, n, g)
+    if kind != "transposed" and k <= 64 * 64 and _fewer_rows_as_n(m / max(g, 1)):
+      return cls.rows_as_n_heuristics(kind, m, k, n, g)
     return cls._row_tile_heuristics(kind, k, n)
 
   @classmethod
-  def rows_on_n(cls, kind: str, m: int, k: int, n: int, g: int) -> "Config":
+  def rows_as_n_heuristics(cls, kind: str, m: int, k: int, n: int, g: int) -> "Config":
     """Forward/dx with the rows on the wgmma's N side (`rows_as_n`): 160-row tiles where the mean group
-    has at most `NARROW_MEAN_ROWS` rows (Qwen3.8-Flash-Next's 320 in two), else 256; 128-column CTAs,
+    has at most `NARROW_MEAN_ROWS` rows (Qwen3.8-Flash-Next's 320 in two), else 256 (a tuning
+    candidate only); 128-column CTAs,
     at 160 rows in a snake band over all of N's blocks (a row tile's rows stay in L2 across them, else
     bands of 8); five stages at 160 rows (three at 256), and for the narrow forward's long items one wgmma
     group left in flight (`delay_release`). Measured on an H100 in one process each
@@ -169,7 +175,7 @@ class Config:
     192 rows: a tuning candidate there, not the default.
     """
     if kind == "transposed":
-      raise ValueError("Config.rows_on_n: rows_as_n is a forward/dx tiling, not dW's.")
+      raise ValueError("Config.rows_as_n_heuristics: rows_as_n is a forward/dx tiling, not dW's.")
     del k
     narrow = m <= NARROW_MEAN_ROWS * g
     blocks = -(-n // 128)
@@ -218,9 +224,10 @@ class Config:
 
   @classmethod
   def search_space(cls, kind: str, m: int, k: int, n: int, g: int, itemsize: int = 2) -> tuple["Config", ...]:
-    """At most 10 configs, the heuristic first, then its other pipeline (and for forward/dx the
-    warpgroups splitting the CTA's rows, 64-row tail tiles, a fourth stage with the output stored in
-    64-column chunks, the other band; for dW the other way of splitting the
+    """At most 10 configs, the heuristic first, then for forward/dx the rows on the MMA's N side
+    (`rows_as_n_heuristics`, with either `delay_release`) and the row-tile heuristic, its other
+    pipeline, the warpgroups splitting the CTA's rows, 64-row tail tiles, a fourth stage with the
+    output stored in 64-column chunks, the other band; for dW the other way of splitting the
     tile), then snake bands of 1-16 N blocks (how long a row tile stays
     hot in L2) and tiles of 64 or 128 rows x 128 or 256 columns. Kept only if the CTA's columns pad N
     by at most 20% (and, for dW, block_m divides its K) and the kernel fits the H100/H200's 227 KiB
@@ -233,9 +240,10 @@ class Config:
       alternative = dataclasses.replace(heuristic, split_rows=not heuristic.split_rows)
       if k % alternative.rows == 0:
         found.append(alternative)
-    else:  # rows on N or M (whichever the heuristic is not), the other pipeline, the warpgroups splitting rows, 64-row tail tiles
+    else:  # rows on N (two delays) or on M, the other pipeline, the warpgroups splitting rows, 64-row tails
+      rows_as_n = cls.rows_as_n_heuristics(kind, m, k, n, g)
       row_tiles = cls._row_tile_heuristics(kind, k, n)
-      found.append(row_tiles if heuristic.rows_as_n else cls.rows_on_n(kind, m, k, n, g))
+      found += [rows_as_n, dataclasses.replace(rows_as_n, delay_release=1 - rows_as_n.delay_release), row_tiles]
       heuristic = row_tiles
       plain = dataclasses.replace(heuristic, store_cols=0,
                                   max_concurrent_steps=heuristic.max_concurrent_steps - bool(heuristic.store_cols))
@@ -266,6 +274,16 @@ class Config:
       if config not in found and config.smem_bytes(itemsize) <= 227 * 1024:
         found.append(config)
     return tuple(dict.fromkeys(found))[:10]
+
+
+def _fewer_rows_as_n(mean_rows: float) -> bool:
+  """Whether a group of `mean_rows` rows computes fewer rows in `rows_as_n_heuristics`'s 160-row tiles
+  than in 128-row ones: means in (128, 160] and (256, 320] (Qwen3.8-Flash-Next's 320 at 16K tokens,
+  the only one measured: 2 x 160 against 3 x 128, bench/NOTES.md 2026-12-06). Past 320 row tiles
+  compute no more rows (GLM-5.1's 512, V4-Flash's 384, where rows on N measured slower or equal)."""
+  if mean_rows > NARROW_MEAN_ROWS:
+    return False
+  return math.ceil(mean_rows / 160) * 160 < math.ceil(mean_rows / 128) * 128
 
 
 def _pads_little(n: int, columns: int) -> bool:
@@ -326,8 +344,16 @@ def _store(path: pathlib.Path, key: str, entry: dict) -> None:
 
 
 def cached_config(device_kind: str, key: str) -> Config | None:
+  """The cached config for `key`, or None: also for an entry this version cannot build (a field it
+  does not know, written by a newer one, or values its validation now refuses), which is re-tuned."""
   entry = _load(cache_path(device_kind)).get(key)
-  return None if entry is None else Config(**entry["config"])
+  if entry is None:
+    return None
+  try:
+    return Config(**entry["config"])
+  except (TypeError, ValueError, KeyError) as e:
+    _LOG.warning("grouped_matmul autotune cache entry %s is unusable (%s); ignoring it", key, e)
+    return None
 
 
 def choose(device_kind: str, kind: str, m: int, k: int, n: int, g: int, dtype,

@@ -82,7 +82,8 @@ def _store_rows(out_smem, smem_row, out_gmem, first_row, col, lo, hi, tile_m: in
   """Copies rows [lo, hi) of the tile at out_smem[smem_row:] to out_gmem[first_row + lo:first_row + hi, col:].
 
   A whole tile is one TMA copy; otherwise `hi - lo` rows go as power-of-two runs (a TMA box is
-  static). One dynamic row offset into the (2 * tile_m, tile_n) buffer, not a warpgroup index and
+  static). One dynamic row offset into the (2 * tile_m, tile_n) buffer (tile_n: the columns stored at
+  once, `Config.store_width`), not a warpgroup index and
   then a row offset: Mosaic GPU slices shared memory with one dynamic index per axis.
   """
   whole = (lo == 0) & (hi == tile_m)
@@ -142,7 +143,8 @@ def grouped_matmul_tiled(lhs, rhs, group_sizes, *, config: Config, transpose_rhs
   if k % tile_k:
     raise ValueError(f"K={k} must be a multiple of block_k={tile_k}.")
   if tile_m & (tile_m - 1) and not config.rows_as_n:
-    raise ValueError(f"block_m={tile_m} must be a power of two (partial tiles store power-of-two row runs).")
+    # `_store_rows` takes any height, but rows-on-M tiles of 192 have never run on a GPU
+    raise ValueError(f"block_m={tile_m}: row tiles with the rows on M must be a power of two (64, 128 or 256).")
   num_tiles = max_tiles(m, g, config.rows)
   table = tile_table(group_sizes, config.rows, num_tiles, m)
   n_blocks = pl.cdiv(n, block_n)
