@@ -7,7 +7,8 @@
 Shapes (bf16, the `full` configs; M = tokens x top-k routed rows, G = experts):
 - `glm5_16k`, `glm5_64k`: GLM-5.1 (D 6144, F 2048, E 256, top-8) at 16K and 64K tokens;
 - `dsv4_16k`: DeepSeek-V4-Flash (D 4096, F 2048, E 256, top-6) at 16K;
-- `qwen_16k`: Qwen3.8-Flash-Next (D 2560, F 640, E 512, top-10) at 16K;
+- `qwen_16k`, `qwen_64k`: Qwen3.8-Flash-Next (D 2560, F 640, E 512, top-10) at 16K and 64K (at 16K
+  its forward reads 2.7 GB for 2.1 TFLOP, bound by DRAM on an H100; at 64K by the MMAs);
 - `glm5_16k_zipf`, `qwen_16k_zipf`: GLM-5.1 and Qwen3.8-Flash-Next at 16K with a skewed load (expert
   e gets rows ~ 1 / (e + 1)^0.8; GLM-5.1's busiest expert has ~80x the rows of its idlest, Qwen's
   ~150x). The others split the rows evenly.
@@ -67,6 +68,7 @@ SHAPES = {
     "dsv4_16k": (16384, 4096, 2048, 256, 6, "uniform"),
     "qwen_16k": (16384, 2560, 640, 512, 10, "uniform"),
     "qwen_16k_zipf": (16384, 2560, 640, 512, 10, "zipf"),
+    "qwen_64k": (65536, 2560, 640, 512, 10, "uniform"),
 }
 SMOKE_SHAPES = {"smoke": (32, 64, 32, 4, 2, "uniform"), "smoke_zipf": (32, 64, 32, 4, 2, "zipf")}
 PASSES = ("forward", "dx", "dw")

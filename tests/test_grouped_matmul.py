@@ -165,11 +165,14 @@ def test_config_validation_heuristics_and_search_space():
   assert autotune.Config.search_space("forward", 131072, 6144, 2048, 256)[1].rows_as_n  # offered at GLM-5.1 too
   wide = autotune.Config.rows_as_n_heuristics("forward", 131072, 6144, 2048, 256)
   assert wide.rows == 256 and wide.smem_bytes(2) <= 227 * 1024
-  # Rows on N by default where a mean group computes fewer rows in 160-row tiles than in 128-row
-  # ones, items of at most 64 K steps, forward/dx only
+  # Rows on N by default where their tiles cover a mean group with less MMA area (at N 640: 128-column
+  # CTAs against 256-column ones padding it to 768), items of at most 64 K steps, forward/dx only
   for mean, want in ((100, False), (150, True), (200, False), (300, True), (320, True), (321, False),
-                     (384, False), (512, False)):
+                     (384, False), (512, True), (1280, True)):
     assert autotune.Config.heuristics("forward", mean * 64, 2560, 640, 64).rows_as_n is want, mean
+  assert autotune.Config.heuristics("forward", 1280 * 64, 2560, 640, 64).rows == 256
+  assert not autotune.Config.heuristics("forward_transposed_rhs", 655360, 640, 2560, 512).rows_as_n  # equal area
+  assert not autotune.Config.heuristics("forward_transposed_rhs", 131072, 2048, 6144, 256).rows_as_n  # GLM-5.1 dx
   assert not autotune.Config.heuristics("forward", 320 * 64, 4160, 640, 64).rows_as_n  # 65 K steps
   assert not autotune.Config.heuristics("transposed", 320 * 64, 2560, 640, 64).rows_as_n
   with pytest.raises(ValueError, match="not dW's"):

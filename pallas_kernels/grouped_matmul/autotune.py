@@ -37,8 +37,8 @@ _MEMORY: dict[str, dict] = {}  # cache file path -> its entries, read once per p
 # first 192 columns (`JAX_PLATFORMS=cuda pytest tests/test_grouped_matmul.py -k oracle`, variant c0p;
 # the interpreter agrees with the oracle); in 128-column chunks every case is exact.
 MAX_STORE_COLS = 128
-# Mean rows per group up to which forward/dx may default to `Config.rows_as_n_heuristics`'s 160-row
-# tiles (`_fewer_rows_as_n`).
+# Mean rows per group up to which `Config.rows_as_n_heuristics` takes 160-row tiles (two cover
+# Qwen3.8-Flash-Next's 320 at 16K tokens), 256 above.
 NARROW_MEAN_ROWS = 320
 
 
@@ -130,6 +130,11 @@ class Config:
     """Columns a forward/dx consumer stores at once: `store_cols`, else its tile up to MAX_STORE_COLS."""
     return self.store_cols or min(self.block_n, MAX_STORE_COLS)
 
+  def mma_area(self, group_rows: float, n: int) -> int:
+    """Output elements this tiling's MMAs compute for a group of `group_rows` x `n` (its tiles padded
+    to whole rows and CTAs' columns): what forward/dx spend past the group's own."""
+    return math.ceil(group_rows / self.rows) * self.rows * math.ceil(n / self.columns) * self.columns
+
   def smem_bytes(self, itemsize: int) -> int:
     """Shared memory of the input pipeline plus the forward/dx output buffer (`store_width` columns a
     consumer; dW's buffer holds its whole tile, the same bytes at the block_n <= 128 it is tuned
@@ -153,26 +158,32 @@ class Config:
     need not pad (a padded operand is a copy). The continuous pipeline for every dW and for forward/dx
     items of at most 64 K steps (measured in one process at the bench shapes, bench/NOTES.md
     2026-12-04 evening); 64-row tail tiles are left to tuning (faster at Qwen's forward, slower at
-    its dx and the skewed GLM-5.1 forward). Forward/dx of at most 64 K steps an item whose mean group
-    takes fewer rows in 160-row tiles than in 128-row ones (Qwen3.8-Flash-Next's 320: 320 against
-    384) take `rows_as_n_heuristics`'s tiling instead.
+    its dx and the skewed GLM-5.1 forward). Forward/dx of at most 64 K steps an item take
+    `rows_as_n_heuristics`'s tiling instead where its tiles cover a mean group with less MMA area
+    (`mma_area`): Qwen3.8-Flash-Next's 320 x 640 experts in 320 x 640 against 384 x 768 (forward
+    497.5 -> 534.5 TFLOP/s, dx 434.7 -> 493.5 on an H100), at 64K tokens its forward's 1280 x 640
+    against 1280 x 768 (626 -> 692); not its dx there (1280 x 2560 both ways: 656 on row tiles, 590
+    on 256 rows on N), nor GLM-5.1 or V4-Flash.
     """
     _check_kind(kind)
-    if kind != "transposed" and k <= 64 * 64 and _fewer_rows_as_n(m / max(g, 1)):
-      return cls.rows_as_n_heuristics(kind, m, k, n, g)
-    return cls._row_tile_heuristics(kind, k, n)
+    row_tiles = cls._row_tile_heuristics(kind, k, n)
+    if kind != "transposed" and k <= 64 * 64:
+      rows_as_n = cls.rows_as_n_heuristics(kind, m, k, n, g)
+      mean = m / max(g, 1)
+      if rows_as_n.mma_area(mean, n) < row_tiles.mma_area(mean, n):
+        return rows_as_n
+    return row_tiles
 
   @classmethod
   def rows_as_n_heuristics(cls, kind: str, m: int, k: int, n: int, g: int) -> "Config":
     """Forward/dx with the rows on the wgmma's N side (`rows_as_n`): 160-row tiles where the mean group
-    has at most `NARROW_MEAN_ROWS` rows (Qwen3.8-Flash-Next's 320 in two), else 256 (a tuning
-    candidate only); 128-column CTAs,
+    has at most `NARROW_MEAN_ROWS` rows (Qwen3.8-Flash-Next's 320 in two), else 256; 128-column CTAs,
     at 160 rows in a snake band over all of N's blocks (a row tile's rows stay in L2 across them, else
     bands of 8); five stages at 160 rows (three at 256), and for the narrow forward's long items one wgmma
     group left in flight (`delay_release`). Measured on an H100 in one process each
-    (bench/NOTES.md, 2026-12-06): Qwen's forward 497.5 -> 534.5 TFLOP/s, its dx 434.7 -> 493.5;
-    GLM-5.1 16K forward 700.4 -> 722.1 at 256 rows (dx the same), V4-Flash's forward 712.3 -> 650.3 at
-    192 rows: a tuning candidate there, not the default.
+    (bench/NOTES.md, 2026-12-06): Qwen's forward 497.5 -> 534.5 TFLOP/s, its dx 434.7 -> 493.5; at
+    256 rows Qwen's 64K-token forward 629 -> 692, GLM-5.1's 16K forward 700 -> 722 (dx the same; not
+    the default there, `heuristics` says why); V4-Flash's forward 712 -> 650 at 192 rows.
     """
     if kind == "transposed":
       raise ValueError("Config.rows_as_n_heuristics: rows_as_n is a forward/dx tiling, not dW's.")
@@ -274,16 +285,6 @@ class Config:
       if config not in found and config.smem_bytes(itemsize) <= 227 * 1024:
         found.append(config)
     return tuple(dict.fromkeys(found))[:10]
-
-
-def _fewer_rows_as_n(mean_rows: float) -> bool:
-  """Whether a group of `mean_rows` rows computes fewer rows in `rows_as_n_heuristics`'s 160-row tiles
-  than in 128-row ones: means in (128, 160] and (256, 320] (Qwen3.8-Flash-Next's 320 at 16K tokens,
-  the only one measured: 2 x 160 against 3 x 128, bench/NOTES.md 2026-12-06). Past 320 row tiles
-  compute no more rows (GLM-5.1's 512, V4-Flash's 384, where rows on N measured slower or equal)."""
-  if mean_rows > NARROW_MEAN_ROWS:
-    return False
-  return math.ceil(mean_rows / 160) * 160 < math.ceil(mean_rows / 128) * 128
 
 
 def _pads_little(n: int, columns: int) -> bool:
