@@ -212,7 +212,9 @@ def _layer_bytes_per_token(cfg: ModelConfig, layer: int) -> LayerBytes:
     attn = 2 * (L + R) + L + (cfg.index_head_dim if cfg.has_indexer(layer) else 0)
     query_side = (2 * cfg.q_lora_rank + H * (nope + R) + H * L + H * (L + R) + H * L + H * cfg.v_head_dim
                   + (cfg.index_n_heads * (cfg.index_head_dim + 1) if cfg.has_indexer(layer) else 0))
-    query = query_side * a + cfg.index_topk * 4  # and the selection
+    # and the selection, twice: the Hopper backward's copy of it sorted by key (lockstep waves,
+    # `pallas_kernels.sparse_attention.mgpu_backward.sorted_by_key`) lives beside it
+    query = query_side * a + 2 * cfg.index_topk * 4
     attended = 0
     keys = attn * a
   if cfg.is_moe(layer):  # the shared experts and the f32 combine (the routed rows: `moe_expert_bytes`)
