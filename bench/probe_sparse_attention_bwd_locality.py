@@ -7,7 +7,7 @@ Rows: the bench's causal random selections; the same rows sorted by key; the key
 mod 8K (the same slots and work over fewer rows of dK and K); and R key bands, a launch each over the
 band's slots (bf16 dq per band summed in f32 by XLA). H100, 2026-12-06 (bench/NOTES.md): 366.3, 359.7,
 323.9, 261.6 ms, 4 bands 344.6: the same work over 8K rows ran at the 16K run's rate, which is what
-`mgpu_backward.Config.lockstep_waves` recovers without bands.
+`mgpu_backward.Config.schedule="waves"` recovers without bands.
 """
 
 import functools
@@ -23,7 +23,7 @@ from pallas_kernels.sparse_attention import sparse_attention_forward_pallas  # n
 from sparse_attention import SHAPES, flops, make_inputs  # noqa: E402
 from timing import timed  # noqa: E402
 
-ONE_LAUNCH = mb.Config(lockstep_waves=False)
+ONE_LAUNCH = mb.Config(schedule="one_launch")
 
 
 def main():

@@ -31,7 +31,10 @@ VARIANTS = {"triton": TRITON, "mosaic": MOSAIC(), "mosaic_cols64": MOSAIC(dkv_co
             "mosaic_regs232": MOSAIC(consumer_registers=232, producer_registers=40),
             "mosaic_no_scatter": MOSAIC(skip_scatter=True),  # a diagnostic: dK stays zero
             "mosaic_no_l2_hint": MOSAIC(dk_evict_last=False),
-            "mosaic_one_launch": MOSAIC(lockstep_waves=False)}  # the schedule before lockstep waves
+            "mosaic_one_launch": MOSAIC(schedule="one_launch"),  # the schedule before lockstep waves
+            "mosaic_sweep": MOSAIC(schedule="sweep"),  # one launch, each row's walk started at the sweep
+            "mosaic_waves": MOSAIC(schedule="waves"),
+            "mosaic_sweep_no_l2_hint": MOSAIC(schedule="sweep", dk_evict_last=False)}
 _pallas_backward_fn = base.backward_fn
 
 

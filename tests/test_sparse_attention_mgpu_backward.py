@@ -34,7 +34,9 @@ def _avals(B, T, H, K, S, Dk, Dv):
     (1, 3, 64, 130, 512, 512, None),  # DeepSeek-V4: K = V
     (1, 3, 64, 64, 576, 512, Config(consumer_registers=232, producer_registers=40, skip_scatter=True)),
     (1, 3, 64, 64, 576, 512, Config(dk_evict_last=False)),  # the adds without the L2 hint
-    (2, 5, 128, 100, 576, 512, Config(lockstep_waves=False)),  # one launch for all tokens
+    (2, 5, 128, 100, 576, 512, Config(schedule="one_launch")),  # one launch for all tokens
+    (2, 5, 128, 100, 576, 512, Config(schedule="sweep")),  # one launch, walks started at the sweep
+    (1, 5, 64, 100, 576, 512, Config(schedule="waves")),
 ])
 def test_lowers_for_h200(B, T, H, K, Dk, Dv, config, fake_hopper):
   f = functools.partial(sparse_attention_backward_mgpu, scale=Dk**-0.5, config=config)
@@ -145,6 +147,9 @@ def _rel(a, b):
     (2, 70, 300, 64, 200, 512, True, "default"),  # DeepSeek-V4: K = V, sinks
     (2, 70, 300, 128, 200, 576, True, "cols64"),
     (2, 70, 300, 128, 200, 576, True, "one_launch"),
+    (2, 70, 300, 128, 200, 576, True, "sweep"),
+    (1, 130, 130, 64, 2048, 576, False, "sweep"),
+    (2, 70, 300, 64, 200, 576, False, "waves"),
 ])
 def test_matches_reference(B, T, S, H, K, Dk, sinks, variant):
   q, k, idx, dout = _inputs(B, T, S, H, K, Dk)
@@ -161,7 +166,7 @@ def test_matches_reference(B, T, S, H, K, Dk, sinks, variant):
                                                    config=pallas_sa.Config(backward="mosaic")))(res, (dout, dlse))
     assert dv is None
   else:
-    config = Config(dkv_cols=64) if variant == "cols64" else Config(lockstep_waves=False)
+    config = Config(dkv_cols=64) if variant == "cols64" else Config(schedule=variant)
     dq, dk = jax.jit(functools.partial(sparse_attention_backward_mgpu, scale=scale, config=config))(
         q, k, idx, out, lse, dout, dlse)
     dsinks, sinks = None, False

@@ -26,14 +26,23 @@ lse and dlse f32 [B, T, H] -> dq [B, T, H, Dk], dk f32 [B, S, 1, Dk] (value grad
 Shared memory at MLA dims: Q 72 KiB, dO 64, the key tile 72, P and dS 8 each: 224 KiB of the 227, so
 one gathered stage: the producer fills it again while the consumers form and scatter dK rows.
 
-Lockstep waves (`Config.lockstep_waves`, the default): each row's indices are sorted by key, and the
-tokens go in launches of one CTA per SM, in a loop. The CTAs of a launch start together and walk
-their keys in ascending order at about the same pace, so at any moment they gather and add into a
-narrow range of rows, which stays in L2. In one launch over all tokens CTAs start whenever an SM
-frees, at every phase of their rows, and at 64K the rows they touch (dK f32 151 MB, K 75 MB) far
-exceed the L2. On an H100 at MLA 64K (bench/NOTES.md, 2026-12-06): 371.1 ms in one launch, 285.2 in
-waves (the row sort, 6.9 ms, included); 16K 67.3 -> 66.5. The same slots with the keys taken mod
-8,192 ran in 261.6 ms in one launch: the L2 misses, not the work, were the 64K loss.
+The schedule (`Config.schedule`) keeps the CTAs that run at once on a narrow band of key rows, so
+that the rows they gather and add into stay in L2. In one launch over all tokens ("one_launch") CTAs
+start whenever an SM frees, at every phase of their rows, and at 64K the rows they touch (dK f32 151
+MB, K 75 MB) far exceed the 50 MB L2. The other two sort each row's indices by key first:
+- "waves": launches of one CTA per SM, in a loop. The CTAs of a launch start together and walk their
+  keys upward at about the same pace. Each launch waits for its slowest CTA, about 49 µs a wave on
+  the H200.
+- "sweep" (the default): one launch. CTAs publish how far they are through a pass over their row (a
+  relaxed atomic max on an int32 counter, in 1/4096ths of a pass); a starting CTA reads it and begins
+  its walk at that fraction of its own row, wrapping around. Rows of tokens that run together have
+  about the same keys at the same fraction, so the running CTAs share one moving band with no launch
+  gaps. The value read only picks where a row's walk starts (any value gives the same sums; each CTA
+  shares the one value its thread 0 read), so dq's summation order, like dK's, varies run to run.
+On an H100 at MLA (bench/NOTES.md, 2026-12-06; the row sort, 7.3 ms at 64K, included): 64K one launch
+366.3 ms, waves 282.4, sweep 277.9; 16K 67.1, 66.0, 58.7. The same slots with the keys taken mod
+8,192 ran the sweep in 230.1 ms at 64K: what is left at 64K is the DRAM traffic of each pass over
+the rows (dK read and written back, K read: about 377 MB a pass, one pass per SM count of tokens).
 
 On the H200 (bench/probe_sparse_attention_bwd_mgpu.py, one call beside the Triton backward; FLOPs
 TileLang's `2 T H k (3 Dk + 2 Dv)`, causal random selections, k 2048): MLA 16K 57.50 ms = 205.5 TFLOP/s
@@ -53,9 +62,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import arith, vector
-from jaxlib.mlir.dialects import llvm  # jax.extend.mlir has no llvm dialect; jaxlib's own bindings, as mgpu_forward
+from jax.extend.mlir.dialects import arith, memref, vector
+from jaxlib.mlir.dialects import llvm, nvvm  # jax.extend.mlir has neither; jaxlib's own bindings, as mgpu_forward
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -66,14 +76,16 @@ from pallas_kernels.sparse_attention.sparse_attention import row_delta
 _HEADS = fwd._HEADS
 _BLOCK_K = 64  # keys a step: dK's rows are one warpgroup MMA's M
 _LOG2E = math.log2(math.e)
+SCHEDULES = ("one_launch", "waves", "sweep")
+_SWEEP_UNIT = 4096  # the sweep's progress counts passes over a row in 1/4096ths
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Register splits of the three warpgroups (consumers, producer), the width of the dK chunks (columns
   of dK rows per MMA and scatter: 64 or 128), `dk_evict_last` (the adds carry an L2 evict_last hint,
-  so the f32 dK rows outlive the gathered key rows in L2), `lockstep_waves` (rows sorted by key, a
-  launch per SM count of CTAs: see the module docstring; False, one launch for all tokens), and
+  so the f32 dK rows outlive the gathered key rows in L2), `schedule` ("sweep", "waves" or
+  "one_launch": see the module docstring), and
   `skip_scatter`, a timing diagnostic only (dK stays zero: what the atomic adds cost).
 
   At MLA dims, 16K on the H200 (bench/NOTES.md, `bench/probe_sparse_attention_bwd_mgpu.py`): 64-column
@@ -96,11 +108,13 @@ class Config:
   dkv_cols: int = 128
   skip_scatter: bool = False
   dk_evict_last: bool = True
-  lockstep_waves: bool = True
+  schedule: str = "sweep"
 
   def __post_init__(self):
     if self.dkv_cols not in (64, 128):
       raise ValueError(f"Config.dkv_cols={self.dkv_cols} must be 64 or 128.")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"Config.schedule={self.schedule!r} must be one of {SCHEDULES}.")
 
 
 def _column_groups(dk: int, dv: int):
@@ -155,21 +169,50 @@ def _scatter_add(dk_ref, rows, keys, col0, evict_last: bool):
   scatter(dk_ref, rows, keys)
 
 
+@plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
+                   return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=fwd._STEP))
+def _read_sweep(ctx, sweep_ref, slot_ref):
+  """Run by every thread: thread 0 reads the sweep's progress (int32 [1] in global memory, written by
+  other CTAs) into shared memory, and after a CTA barrier every thread returns that one value."""
+  del ctx
+  i32 = ir.IntegerType.get_signless(32)
+  ptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(sweep_ref))
+  value = mgpu_utils.inline_ptx("ld.relaxed.gpu.global.b32 $0, [$1];", ptr, result_types=i32)
+  zero = arith.index_cast(ir.IndexType.get(), fwd._c(0, i32))
+  with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), fwd._c(0, i32))):
+    memref.store(value, slot_ref, [zero])
+  nvvm.barrier()
+  return mgpu.FragmentedArray.splat(memref.load(slot_ref, [zero]), (), is_signed=True)
+
+
+@plgpu.inline_mgpu(arg_types=(plgpu.RefType(), fwd._STEP))
+def _publish_sweep(ctx, sweep_ref, progress):
+  """The warpgroup's first thread raises the sweep's progress to `progress` (a relaxed atomic max)."""
+  del ctx
+  i32 = ir.IntegerType.get_signless(32)
+  ptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(sweep_ref))
+  first = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(mgpu_utils.thread_idx(), fwd._c(128, i32)), fwd._c(0, i32))
+  mgpu_utils.inline_ptx("red.relaxed.gpu.global.max.s32 [$0], $1;", ptr, fwd._scalar(progress), predicate=first)
+
+
 def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, steps_gmem, *refs,
-                     scale, consumer_registers, producer_registers, dkv_cols, skip_scatter, dk_evict_last, waves):
+                     scale, consumer_registers, producer_registers, dkv_cols, skip_scatter, dk_evict_last, schedule):
   # Inputs: q [B, T, H, Dk], k [B, S, Dk], indices int32 [B, T, K_pad], dout [B, T, H, Dv], lse2 f32
   # [B, T, H] (lse log2 e, 0 where -inf), delta f32 [B, T, H], steps int32 [B, T] (live steps),
   # dk f32 [B, S, Dk] (a zeroed Ref that takes the atomic adds). Output: dq [B, T, H, Dk]. With `waves`
   # the refs are first int32 [1] (this launch's first token, flat over B and T), dk, and dq as a Ref that
-  # each launch fills in part.
+  # each launch fills in part; with "sweep" first int32 [1] (the sweep's progress, zeroed), dk, dq.
   num_keys, dk = k_gmem.shape[1:]
   dv = do_gmem.shape[3]
   T, n_heads = q_gmem.shape[1], q_gmem.shape[2] // _HEADS
   cta = lax.axis_index("cta")
   flat = lax.div(cta, n_heads)  # the token, flat over B and T
-  if waves:
+  sweep_gmem = None
+  if schedule == "waves":
     first_gmem, dk_gmem, dq_gmem = refs
     flat = flat + first_gmem[0]
+  elif schedule == "sweep":
+    sweep_gmem, dk_gmem, dq_gmem = refs
   else:
     dk_gmem, dq_gmem = refs
   live = flat < q_gmem.shape[0] * T  # the last launch's CTAs past B * T tokens store nothing
@@ -181,13 +224,21 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
   row = plgpu.Layout.WGMMA.reduce(1)  # one value per head (S, dP) or per key (dK rows)
   c = scale * _LOG2E
 
-  def body(q_smem, do_smem, k_smem, p_smem, ds_smem, bars, q_bar, do_bar, p_ready, ds_ready, pds_free):
+  def body(q_smem, do_smem, k_smem, p_smem, ds_smem, bars, q_bar, do_bar, p_ready, ds_ready, pds_free, slot):
     wg = lax.axis_index("wg")
     n_steps = jnp.where(live, steps_gmem[b, t], 0)
     fwd._init_gather_barriers(bars)
+    first_block, publish = jnp.int32(0), lambda i: None
+    if schedule == "sweep":  # start where the running CTAs are: the block at the sweep's fraction of a pass
+      progress = _read_sweep(sweep_gmem, slot)
+      fraction = lax.bitwise_and(progress, jnp.int32(_SWEEP_UNIT - 1))  # in [0, unit) whatever the counter holds
+      first_block = lax.div(fraction * n_steps, jnp.int32(_SWEEP_UNIT))
+      publish = lambda i: _publish_sweep(  # the pass's start plus the blocks done, in passes
+          sweep_gmem, progress - fraction + lax.div((first_block + i + 1) * _SWEEP_UNIT, n_steps))
+    block = lambda i: fwd.rotated_block(i, first_block, n_steps)
     wait_rows, free_slot = functools.partial(fwd._wait_rows, bars), functools.partial(fwd._free_slot, bars)
-    step_ids = lambda i, layout: plgpu.load(idx_gmem.at[b, t, pl.ds(i * _BLOCK_K, _BLOCK_K)], layout=layout,
-                                            optimized=False)
+    step_ids = lambda i, layout: plgpu.load(idx_gmem.at[b, t, pl.ds(block(i) * _BLOCK_K, _BLOCK_K)],
+                                            layout=layout, optimized=False)
     key_tile = k_smem.at[0]
 
     def dq_update(accs, my_groups):
@@ -252,6 +303,7 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
         plgpu.barrier_wait(ds_ready)
         accs = dq_update(accs, groups[0])
         free_slot(i)
+        publish(i)
         dkv(i, chunks[0])
         plgpu.barrier_arrive(pds_free)
         return accs
@@ -293,7 +345,7 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
     def _gather_wg():
       plgpu.set_max_registers(producer_registers, action="decrease")
       fwd._gather_steps(k_gmem.at[b], idx_gmem.at[b, t], k_smem, bars, jnp.asarray(n_steps, jnp.int32),
-                        zero_fill=True)
+                        zero_fill=True, first_block=first_block)
 
   tile = smem_transforms(_BLOCK_K, dtype)
   pl.run_scoped(
@@ -309,6 +361,7 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
       plgpu.Barrier(),
       plgpu.Barrier(),
       plgpu.Barrier(num_arrivals=2),
+      plgpu.SMEM((1,), jnp.int32),  # the sweep's progress as thread 0 read it
       collective_axes="wg",
   )
 
@@ -363,7 +416,7 @@ def sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, *, scale
       functools.partial(_backward_kernel, scale=float(scale), consumer_registers=config.consumer_registers,
                         producer_registers=config.producer_registers, dkv_cols=config.dkv_cols,
                         skip_scatter=config.skip_scatter, dk_evict_last=config.dk_evict_last,
-                        waves=config.lockstep_waves),
+                        schedule=config.schedule),
       grid_names=("cta",),
       num_threads=3,
       thread_name="wg",
@@ -371,10 +424,10 @@ def sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, *, scale
       kernel_name="hyscale_sparse_attention_bwd",
   )
   dout, keys = dout.astype(q.dtype), k[:, :, 0]
-  if config.lockstep_waves:  # the sums over slots do not care about their order
+  if config.schedule != "one_launch":  # the sums over slots do not care about their order
     indices = sorted_by_key(indices, S)
   steps = fwd.live_steps(indices, S, _BLOCK_K)
-  if config.lockstep_waves:
+  if config.schedule == "waves":
     tokens = max(1, jax.devices()[0].core_count // (H // _HEADS))  # one CTA per SM a launch
     dq_ref = jax.new_ref(jnp.zeros((B, T, H, Dk), q.dtype))
     call = launch(grid=(tokens * (H // _HEADS),))
@@ -385,6 +438,7 @@ def sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, *, scale
 
     lax.fori_loop(0, pl.cdiv(B * T, tokens), wave, 0)
     return dq_ref[...], dk_acc[...][:, :, None]
+  sweep = [jax.new_ref(jnp.zeros((1,), jnp.int32))] if config.schedule == "sweep" else []
   dq = launch(out_type=jax.ShapeDtypeStruct((B, T, H, Dk), q.dtype), grid=(B * T * (H // _HEADS),))(
-      q, keys, indices, dout, lse2, delta, steps, dk_acc)
+      q, keys, indices, dout, lse2, delta, steps, *sweep, dk_acc)
   return dq, dk_acc[...][:, :, None]

@@ -278,27 +278,33 @@ def _free_slot(ctx, bars_ref, step):
   mgpu_utils.inline_ptx("mbarrier.arrive.release.cta.shared::cta.b64 _, [$0];", ptr, has_side_effects=True)
 
 
-def _gather_steps(k_ref, idx_ref, dst_ref, bars_ref, n_steps, *, zero_fill):
+def _gather_steps(k_ref, idx_ref, dst_ref, bars_ref, n_steps, *, zero_fill, first_block=None):
   """The producer's whole loop: for each step, wait for its slot to be free, copy the rows, and arrive
   (asynchronously, `cp.async.mbarrier.arrive.noinc`) on the slot's "rows ready" barrier.
 
   `idx_ref` int32 [K_pad] (this row's indices), `dst_ref` the ring [num_stages, block_k, Dk] (tiled,
-  swizzled), `n_steps` i32. The next step's keys are loaded before waiting for its slot.
+  swizzled), `n_steps` i32. The next step's keys are loaded before waiting for its slot. With
+  `first_block` (i32 in [0, n_steps)) step i gathers block (first_block + i) mod n_steps of the row:
+  the consumers must read their indices in the same rotation (`rotated_block`).
   """
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_KEY_TRANSFORMS), plgpu.RefType(),
-                                _STEP))
-  def loop(ctx, k_ref, idx_ref, dst_ref, bars_ref, n_steps):
+                                _STEP, _STEP))
+  def loop(ctx, k_ref, idx_ref, dst_ref, bars_ref, n_steps, first_block):
     del ctx
     i32 = ir.IntegerType.get_signless(32)
     num_stages, row_tiles, col_tiles, tile_rows, tile_cols = ir.MemRefType(dst_ref.type).shape
     assert (tile_rows, tile_cols, col_tiles * tile_cols) == (8, _COLS, ir.MemRefType(k_ref.type).shape[1])
     assert num_stages == _num_stages(bars_ref)
     block_k, stage_bytes = 8 * row_tiles, row_tiles * col_tiles * 8 * _SWIZZLE
-    n = _scalar(n_steps)
+    n, first = _scalar(n_steps), _scalar(first_block)
     smem, dst_base = mgpu_utils.memref_ptr(dst_ref), _thread_tile_offset(col_tiles)
 
-    @mgpu_utils.fori(n, _thread_keys(idx_ref, _c(0, i32), block_k))
+    def block(i):
+      j = arith.addi(i, first)
+      return arith.select(arith.cmpi(arith.CmpIPredicate.uge, j, n), arith.subi(j, n), j)
+
+    @mgpu_utils.fori(n, _thread_keys(idx_ref, block(_c(0, i32)), block_k))
     def _(i, keys):
       slot, phase = _slot_phase(i, num_stages)
       with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.uge, i, _c(num_stages, i32))):
@@ -307,12 +313,19 @@ def _gather_steps(k_ref, idx_ref, dst_ref, bars_ref, n_steps, *, zero_fill):
         nvvm.mbarrier_try_wait_parity(free, arith.xori(phase, _c(1, i32)), _c(10_000_000, i32))
       _copy_rows(k_ref, keys, smem, arith.addi(dst_base, arith.muli(slot, _c(stage_bytes, i32))), zero_fill)
       nvvm.cp_async_mbarrier_arrive(_bar_ptr(bars_ref, slot), noinc=True)
-      return _thread_keys(idx_ref, arith.minui(arith.addi(i, _c(1, i32)), arith.subi(n, _c(1, i32))), block_k)
+      return _thread_keys(idx_ref, block(arith.minui(arith.addi(i, _c(1, i32)), arith.subi(n, _c(1, i32)))), block_k)
 
     nvvm.cp_async_commit_group()  # nothing of this thread's in flight when it exits
     nvvm.cp_async_wait_group(0)
 
-  loop(k_ref, idx_ref, dst_ref, bars_ref, n_steps)
+  first_block = jnp.zeros((), jnp.int32) if first_block is None else first_block
+  loop(k_ref, idx_ref, dst_ref, bars_ref, n_steps, first_block)
+
+
+def rotated_block(i, first_block, n_steps):
+  """The row's block that step i reads when the walk starts at `first_block` (both in [0, n_steps))."""
+  j = i + first_block
+  return jnp.where(j >= n_steps, j - n_steps, j)
 
 
 def _forward_kernel(*refs, scale, block_k, num_stages, dv, consumer_registers, producer_registers,
