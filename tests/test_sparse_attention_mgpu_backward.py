@@ -56,7 +56,7 @@ def test_config():
 
 
 def test_sorted_by_key():
-  """The lockstep waves' row order: the valid keys ascending (repeats kept), then -1 for the rest."""
+  """The sweep's and the waves' row order: the valid keys ascending (repeats kept), then -1 for the rest."""
   rng = np.random.default_rng(3)
   idx = rng.integers(-3, 40, (2, 5, 37)).astype(np.int32)  # -1s, out-of-range keys past 32, repeats
   idx[0, 0] = -1  # an empty row

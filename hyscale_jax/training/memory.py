@@ -212,8 +212,8 @@ def _layer_bytes_per_token(cfg: ModelConfig, layer: int) -> LayerBytes:
     attn = 2 * (L + R) + L + (cfg.index_head_dim if cfg.has_indexer(layer) else 0)
     query_side = (2 * cfg.q_lora_rank + H * (nope + R) + H * L + H * (L + R) + H * L + H * cfg.v_head_dim
                   + (cfg.index_n_heads * (cfg.index_head_dim + 1) if cfg.has_indexer(layer) else 0))
-    # and the selection, twice: the Hopper backward's copy of it sorted by key (lockstep waves,
-    # `pallas_kernels.sparse_attention.mgpu_backward.sorted_by_key`) lives beside it
+    # and the selection, twice: the Hopper backward's copy of it sorted by key (its sweep and waves
+    # schedules, `pallas_kernels.sparse_attention.mgpu_backward.sorted_by_key`) lives beside it
     query = query_side * a + 2 * cfg.index_topk * 4
     attended = 0
     keys = attn * a

@@ -40,11 +40,13 @@ MB, K 75 MB) far exceed the 50 MB L2. The other two sort each row's indices by k
   gaps. The value read only picks where a row's walk starts (any value gives the same sums; each CTA
   shares the one value its thread 0 read), so dq's summation order, like dK's, varies run to run.
 On an H100 at MLA (bench/NOTES.md, 2026-12-06; the row sort, 7.3 ms at 64K, included): 64K one launch
-366.3 ms, waves 282.4, sweep 277.9; 16K 67.1, 66.0, 58.7. The same slots with the keys taken mod
+366.3 ms, waves 282.4, sweep 277.9; 16K 67.1, 66.0, 58.7. On the H200: 64K one launch 278.8, waves
+257.2, sweep 240.6 (196.5 TFLOP/s); 16K 56.5, 62.8, 56.0 (211.0). The same slots with the keys taken mod
 8,192 ran the sweep in 230.1 ms at 64K: what is left at 64K is the DRAM traffic of each pass over
 the rows (dK read and written back, K read: about 377 MB a pass, one pass per SM count of tokens).
 
-On the H200 (bench/probe_sparse_attention_bwd_mgpu.py, one call beside the Triton backward; FLOPs
+The kernel in one launch on the H200 (bench/probe_sparse_attention_bwd_mgpu.py, 2026-12-05, one call
+beside the Triton backward; FLOPs
 TileLang's `2 T H k (3 Dk + 2 Dv)`, causal random selections, k 2048): MLA 16K 57.50 ms = 205.5 TFLOP/s
 (Triton 134.47; TileLang's sparse_mla_bwd 66.5 in an earlier call), 64K 283.41 = 166.8 (Triton
 535.98); DeepSeek-V4 (512, sinks) 16K 16.89 (Triton 33.72). Without the scatter (a diagnostic) MLA
