@@ -23,7 +23,8 @@ import probe_sparse_attention_bwd as base  # noqa: E402
 from pallas_kernels.sparse_attention import Config  # noqa: E402
 from pallas_kernels.sparse_attention import mgpu_backward  # noqa: E402
 from probe_sparse_attention_bwd import run_shape, stamp  # noqa: E402
-from timing import write_rows  # noqa: E402
+from sparse_attention import SHAPES, make_inputs  # noqa: E402
+from timing import timed, write_rows  # noqa: E402
 
 TRITON = dataclasses.replace(Config.backward_heuristics(576, 512, 2, 64, value_from_key=True), backward="triton")
 MOSAIC = mgpu_backward.Config
@@ -54,6 +55,20 @@ def backward_fn(shape, config, interpret=False):
 base.backward_fn = backward_fn  # run_shape builds its programs through it
 
 
+def sort_rows(T, reps):
+  """The sweep's row sort (`mgpu_backward.sorted_by_key`, an unstable sort) against the same sort
+  stable, as it was before 2026-12-06, on the bench's selection at T: both must agree exactly."""
+  idx, S = make_inputs(SHAPES["mla64"], T)["idx"], T
+  past = jnp.int32(jnp.iinfo(jnp.int32).max)
+  stable = jax.jit(lambda i: jnp.sort(jnp.where((i >= 0) & (i < S), i, past), axis=-1))
+  unstable = jax.jit(lambda i: mgpu_backward.sorted_by_key(i, S))
+  same = bool(jnp.array_equal(jnp.where(stable(idx) == past, -1, stable(idx)), unstable(idx)))
+  row = dict(shape="mla64", T=T, variant="row_sort", same=same, stable_ms=timed(stable, idx, reps=reps) * 1e3,
+             unstable_ms=timed(unstable, idx, reps=reps) * 1e3)
+  stamp(f"mla64 T={T} row sort: stable {row['stable_ms']:.2f} ms, unstable {row['unstable_ms']:.2f} ms, same {same}")
+  return [row]
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--seq", type=int, default=16384)
@@ -64,6 +79,7 @@ def main():
   parser.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 16))
   parser.add_argument("--only", nargs="*", default=None, help="variants at --seq (default all)")
   parser.add_argument("--later-variants", nargs="*", default=None, help="variants at the later shapes (default the best)")
+  parser.add_argument("--sort-timing", action="store_true", help="also time the row sort, stable and not")
   parser.add_argument("--out", default="")
   a = parser.parse_args()
   t0, rows = time.perf_counter(), []
@@ -81,6 +97,9 @@ def main():
       stamp(f"{name} T={T}: skipped (budget)")
       continue
     rows += run_shape(name, T, pick, reps, a.workers)
+    write_rows(a.out, rows)
+  for T in [a.seq] + ([a.long_seq] if a.long_seq else []) if a.sort_timing else []:
+    rows += sort_rows(T, a.reps)
     write_rows(a.out, rows)
   stamp(f"done in {time.perf_counter() - t0:.0f} s")
 

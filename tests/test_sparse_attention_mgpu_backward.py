@@ -16,6 +16,7 @@ from hyscale_jax.ops.sparse_attention.reference import (
 )
 from pallas_kernels.sparse_attention import sparse_attention as pallas_sa
 from pallas_kernels.sparse_attention.mgpu_backward import Config, check_applies, sorted_by_key, sparse_attention_backward_mgpu
+from pallas_kernels.sparse_attention.mgpu_forward import rotated_block
 from tests.jaxpr_tools import export_for_h200
 
 _ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU")
@@ -35,7 +36,7 @@ def _avals(B, T, H, K, S, Dk, Dv):
     (1, 3, 64, 64, 576, 512, Config(consumer_registers=232, producer_registers=40, skip_scatter=True)),
     (1, 3, 64, 64, 576, 512, Config(dk_evict_last=False)),  # the adds without the L2 hint
     (2, 5, 128, 100, 576, 512, Config(schedule="one_launch")),  # one launch for all tokens
-    (2, 5, 128, 100, 576, 512, Config(schedule="sweep")),  # one launch, walks started at the sweep
+    (2, 5, 128, 100, 576, 512, Config(schedule="sweep", sweep_start=3000)),  # one launch, walks started at the sweep
     (1, 5, 64, 100, 576, 512, Config(schedule="waves")),
 ])
 def test_lowers_for_h200(B, T, H, K, Dk, Dv, config, fake_hopper):
@@ -53,6 +54,14 @@ def test_config():
   assert _dkv_chunks(576, 512, 128) == ([(0, 128), (128, 128), (512, 64)], [(256, 128), (384, 128)])
   assert _dkv_chunks(512, 512, 64) == ([(0, 64), (64, 64), (128, 64), (192, 64)],
                                        [(256, 64), (320, 64), (384, 64), (448, 64)])
+
+
+def test_rotated_block_visits_every_block_once():
+  """The sweep's walk: from any start, each of a row's blocks once (the producer's MLIR is the same formula)."""
+  for n in range(1, 40):
+    for first in range(n):
+      blocks = np.asarray(rotated_block(jnp.arange(n), jnp.int32(first), jnp.int32(n)))
+      assert blocks[0] == first and sorted(blocks.tolist()) == list(range(n)), (n, first)
 
 
 def test_sorted_by_key():
@@ -150,6 +159,11 @@ def _rel(a, b):
     (2, 70, 300, 128, 200, 576, True, "sweep"),
     (1, 130, 130, 64, 2048, 576, False, "sweep"),
     (2, 70, 300, 64, 200, 576, False, "waves"),
+    # 32 steps a row, the counter started so that rows begin mid-row, at the last block, and at 0
+    (1, 40, 4096, 64, 2048, 576, False, "sweep@2048"),
+    (1, 40, 4096, 64, 2048, 576, True, "sweep@4095"),
+    (1, 40, 4096, 64, 2048, 576, False, "sweep@-1"),
+    (1, 40, 4096, 64, 2048, 576, False, f"sweep@{-2**31}"),
 ])
 def test_matches_reference(B, T, S, H, K, Dk, sinks, variant):
   q, k, idx, dout = _inputs(B, T, S, H, K, Dk)
@@ -166,7 +180,10 @@ def test_matches_reference(B, T, S, H, K, Dk, sinks, variant):
                                                    config=pallas_sa.Config(backward="mosaic")))(res, (dout, dlse))
     assert dv is None
   else:
-    config = Config(dkv_cols=64) if variant == "cols64" else Config(schedule=variant)
+    if variant.startswith("sweep@"):
+      config = Config(schedule="sweep", sweep_start=int(variant.split("@")[1]))
+    else:
+      config = Config(dkv_cols=64) if variant == "cols64" else Config(schedule=variant)
     dq, dk = jax.jit(functools.partial(sparse_attention_backward_mgpu, scale=scale, config=config))(
         q, k, idx, out, lse, dout, dlse)
     dsinks, sinks = None, False

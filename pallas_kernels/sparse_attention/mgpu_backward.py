@@ -23,8 +23,9 @@ here (the saved lse holds them; dsinks is the caller's XLA sum). dq comes out in
 Shapes: q [B, T, H, Dk], k [B, S, 1, Dk], indices int32 [B, T, K], out and dout [B, T, H, Dv],
 lse and dlse f32 [B, T, H] -> dq [B, T, H, Dk], dk f32 [B, S, 1, Dk] (value gradient included).
 
-Shared memory at MLA dims: Q 72 KiB, dO 64, the key tile 72, P and dS 8 each: 224 KiB of the 227, so
-one gathered stage: the producer fills it again while the consumers form and scatter dK rows.
+Shared memory at MLA dims: Q 72 KiB, dO 64, the key tile 72, P and dS 8 each, and 1 KiB for the
+mbarriers (Pallas rounds each allocation up to 1 KiB; another for the sweep's counter): 225-226 KiB of
+the 227, so one gathered stage: the producer fills it again while the consumers form and scatter dK rows.
 
 The schedule (`Config.schedule`) keeps the CTAs that run at once on a narrow band of key rows, so
 that the rows they gather and add into stay in L2. In one launch over all tokens ("one_launch") CTAs
@@ -87,10 +88,11 @@ class Config:
   """Register splits of the three warpgroups (consumers, producer), the width of the dK chunks (columns
   of dK rows per MMA and scatter: 64 or 128), `dk_evict_last` (the adds carry an L2 evict_last hint,
   so the f32 dK rows outlive the gathered key rows in L2), `schedule` ("sweep", "waves" or
-  "one_launch": see the module docstring), and
+  "one_launch": see the module docstring), `sweep_start` (the sweep's counter before the launch: 0;
+  tests start it elsewhere so that rows start their walks past their first block), and
   `skip_scatter`, a timing diagnostic only (dK stays zero: what the atomic adds cost).
 
-  At MLA dims, 16K on the H200 (bench/NOTES.md, `bench/probe_sparse_attention_bwd_mgpu.py`): 64-column
+  In one launch, at MLA dims, 16K on the H200 (bench/NOTES.md, `bench/probe_sparse_attention_bwd_mgpu.py`): 64-column
   chunks 65.82 ms, 128 59.74, 128 with 240 / 24 registers 57.50 (the default); without the scatter
   20.17. Measured and removed: `red.global.v4` after a lane-pair shuffle (68.05 / 61.97 at 64 / 128
   columns), the next chunk's MMAs issued before this chunk's scatter (two accumulators live: 108.27
@@ -111,6 +113,7 @@ class Config:
   skip_scatter: bool = False
   dk_evict_last: bool = True
   schedule: str = "sweep"
+  sweep_start: int = 0
 
   def __post_init__(self):
     if self.dkv_cols not in (64, 128):
@@ -179,7 +182,7 @@ def _read_sweep(ctx, sweep_ref, slot_ref):
   del ctx
   i32 = ir.IntegerType.get_signless(32)
   ptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(sweep_ref))
-  value = mgpu_utils.inline_ptx("ld.relaxed.gpu.global.b32 $0, [$1];", ptr, result_types=i32)
+  value = mgpu_utils.inline_ptx("ld.relaxed.gpu.global.b32 $0, [$1];", ptr, result_types=i32, has_side_effects=True)
   zero = arith.index_cast(ir.IndexType.get(), fwd._c(0, i32))
   with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), fwd._c(0, i32))):
     memref.store(value, slot_ref, [zero])
@@ -203,7 +206,7 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
   # [B, T, H] (lse log2 e, 0 where -inf), delta f32 [B, T, H], steps int32 [B, T] (live steps),
   # dk f32 [B, S, Dk] (a zeroed Ref that takes the atomic adds). Output: dq [B, T, H, Dk]. With `waves`
   # the refs are first int32 [1] (this launch's first token, flat over B and T), dk, and dq as a Ref that
-  # each launch fills in part; with "sweep" first int32 [1] (the sweep's progress, zeroed), dk, dq.
+  # each launch fills in part; with "sweep" first int32 [1] (the sweep's progress), dk, dq.
   num_keys, dk = k_gmem.shape[1:]
   dv = do_gmem.shape[3]
   T, n_heads = q_gmem.shape[1], q_gmem.shape[2] // _HEADS
@@ -226,16 +229,19 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
   row = plgpu.Layout.WGMMA.reduce(1)  # one value per head (S, dP) or per key (dK rows)
   c = scale * _LOG2E
 
-  def body(q_smem, do_smem, k_smem, p_smem, ds_smem, bars, q_bar, do_bar, p_ready, ds_ready, pds_free, slot):
+  def body(q_smem, do_smem, k_smem, p_smem, ds_smem, bars, q_bar, do_bar, p_ready, ds_ready, pds_free, *slot):
     wg = lax.axis_index("wg")
     n_steps = jnp.where(live, steps_gmem[b, t], 0)
     fwd._init_gather_barriers(bars)
     first_block, publish = jnp.int32(0), lambda i: None
     if schedule == "sweep":  # start where the running CTAs are: the block at the sweep's fraction of a pass
-      progress = _read_sweep(sweep_gmem, slot)
+      progress = _read_sweep(sweep_gmem, *slot)
       fraction = lax.bitwise_and(progress, jnp.int32(_SWEEP_UNIT - 1))  # in [0, unit) whatever the counter holds
       first_block = lax.div(fraction * n_steps, jnp.int32(_SWEEP_UNIT))
-      publish = lambda i: _publish_sweep(  # the pass's start plus the blocks done, in passes
+      # The pass's start plus the blocks done, in passes. Near 2^31 this would wrap negative and the
+      # signed max would ignore it (the sweep stops moving, the sums stay right); the counter starts at
+      # 0 each call and grows about a unit a pass, 2^19 passes from that.
+      publish = lambda i: _publish_sweep(
           sweep_gmem, progress - fraction + lax.div((first_block + i + 1) * _SWEEP_UNIT, n_steps))
     block = lambda i: fwd.rotated_block(i, first_block, n_steps)
     wait_rows, free_slot = functools.partial(fwd._wait_rows, bars), functools.partial(fwd._free_slot, bars)
@@ -363,7 +369,7 @@ def _backward_kernel(q_gmem, k_gmem, idx_gmem, do_gmem, lse_gmem, delta_gmem, st
       plgpu.Barrier(),
       plgpu.Barrier(),
       plgpu.Barrier(num_arrivals=2),
-      plgpu.SMEM((1,), jnp.int32),  # the sweep's progress as thread 0 read it
+      *([plgpu.SMEM((1,), jnp.int32)] if schedule == "sweep" else []),  # the progress thread 0 read
       collective_axes="wg",
   )
 
@@ -386,7 +392,9 @@ def check_applies(q, k, v, value_dim, deterministic=False):
 def sorted_by_key(indices, num_keys: int):
   """int32 [..., K]: each row's indices in [0, num_keys) in ascending order, then -1 for the others."""
   past = jnp.int32(jnp.iinfo(jnp.int32).max)
-  rows = jnp.sort(jnp.where((indices >= 0) & (indices < num_keys), indices, past), axis=-1)
+  # Not stable: equal int32 keys are the same value, and XLA makes a stable sort carry an iota
+  # operand to break ties (its StableSortExpander), twice the data for nothing here.
+  rows = jnp.sort(jnp.where((indices >= 0) & (indices < num_keys), indices, past), axis=-1, stable=False)
   return jnp.where(rows == past, -1, rows).astype(jnp.int32)
 
 
@@ -440,7 +448,7 @@ def sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, *, scale
 
     lax.fori_loop(0, pl.cdiv(B * T, tokens), wave, 0)
     return dq_ref[...], dk_acc[...][:, :, None]
-  sweep = [jax.new_ref(jnp.zeros((1,), jnp.int32))] if config.schedule == "sweep" else []
+  sweep = [jax.new_ref(jnp.full((1,), config.sweep_start, jnp.int32))] if config.schedule == "sweep" else []
   dq = launch(out_type=jax.ShapeDtypeStruct((B, T, H, Dk), q.dtype), grid=(B * T * (H // _HEADS),))(
       q, keys, indices, dout, lse2, delta, steps, *sweep, dk_acc)
   return dq, dk_acc[...][:, :, None]

@@ -284,8 +284,8 @@ def _gather_steps(k_ref, idx_ref, dst_ref, bars_ref, n_steps, *, zero_fill, firs
 
   `idx_ref` int32 [K_pad] (this row's indices), `dst_ref` the ring [num_stages, block_k, Dk] (tiled,
   swizzled), `n_steps` i32. The next step's keys are loaded before waiting for its slot. With
-  `first_block` (i32 in [0, n_steps)) step i gathers block (first_block + i) mod n_steps of the row:
-  the consumers must read their indices in the same rotation (`rotated_block`).
+  `first_block` (i32 in [0, n_steps), 0 when n_steps is 0) step i gathers block (first_block + i) mod
+  n_steps of the row: the consumers read their indices through `rotated_block`, the same formula.
   """
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_KEY_TRANSFORMS), plgpu.RefType(),
@@ -323,7 +323,9 @@ def _gather_steps(k_ref, idx_ref, dst_ref, bars_ref, n_steps, *, zero_fill, firs
 
 
 def rotated_block(i, first_block, n_steps):
-  """The row's block that step i reads when the walk starts at `first_block` (both in [0, n_steps))."""
+  """The row's block that step i reads when the walk starts at `first_block` (both in [0, n_steps)).
+
+  `_gather_steps`'s producer computes the same in MLIR (`block`); the two must stay one formula."""
   j = i + first_block
   return jnp.where(j >= n_steps, j - n_steps, j)
 
