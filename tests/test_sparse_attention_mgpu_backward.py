@@ -15,7 +15,8 @@ from hyscale_jax.ops.sparse_attention.reference import (
     sparse_attention_forward_reference,
 )
 from pallas_kernels.sparse_attention import sparse_attention as pallas_sa
-from pallas_kernels.sparse_attention.mgpu_backward import Config, check_applies, sorted_by_key, sparse_attention_backward_mgpu
+from pallas_kernels.sparse_attention.mgpu_backward import (Config, check_applies, rows_ascending, sorted_by_key,
+                                                           sparse_attention_backward_mgpu)
 from pallas_kernels.sparse_attention.mgpu_forward import rotated_block
 from tests.jaxpr_tools import export_for_h200
 
@@ -70,10 +71,22 @@ def test_sorted_by_key():
   idx = rng.integers(-3, 40, (2, 5, 37)).astype(np.int32)  # -1s, out-of-range keys past 32, repeats
   idx[0, 0] = -1  # an empty row
   idx[1, 2] = 7  # one key in every slot
-  got = np.asarray(sorted_by_key(jnp.asarray(idx), 32))
-  for row, out in zip(idx.reshape(-1, 37), got.reshape(-1, 37), strict=True):
-    valid = np.sort(row[(row >= 0) & (row < 32)])
-    np.testing.assert_array_equal(out, np.r_[valid, np.full(37 - valid.size, -1)])
+  def reference(rows):
+    flat = [np.r_[np.sort(row[(row >= 0) & (row < 32)]), np.full(37, -1)][:37] for row in rows.reshape(-1, 37)]
+    return np.stack(flat).reshape(rows.shape)
+
+  expected = reference(idx)
+  np.testing.assert_array_equal(np.asarray(sorted_by_key(jnp.asarray(idx), 32)), expected)
+  # Rows that arrive in order (as FlashTopK's do) skip the sort; out-of-range keys and -1s past the
+  # valid ones, and one unsorted row among sorted ones, still come out the same.
+  past = np.where(expected < 0, np.iinfo(np.int32).max, expected)
+  assert bool(rows_ascending(jnp.asarray(past))) and not bool(rows_ascending(jnp.asarray(idx)))
+  in_order = expected.copy()
+  in_order[0, 1, -1] = 40  # out of range, after the valid keys and the -1s: dropped to -1
+  np.testing.assert_array_equal(np.asarray(sorted_by_key(jnp.asarray(in_order), 32)), reference(in_order))
+  one_off = expected.copy()
+  one_off[1, 4, :2] = [20, 3]  # one row out of order among sorted ones
+  np.testing.assert_array_equal(np.asarray(sorted_by_key(jnp.asarray(one_off), 32)), reference(one_off))
 
 
 @pytest.mark.parametrize("change", ["values", "heads", "groups", "f32", "wide_keys", "deterministic"])

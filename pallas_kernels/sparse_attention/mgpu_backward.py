@@ -30,7 +30,8 @@ the 227, so one gathered stage: the producer fills it again while the consumers 
 The schedule (`Config.schedule`) keeps the CTAs that run at once on a narrow band of key rows, so
 that the rows they gather and add into stay in L2. In one launch over all tokens ("one_launch") CTAs
 start whenever an SM frees, at every phase of their rows, and at 64K the rows they touch (dK f32 151
-MB, K 75 MB) far exceed the 50 MB L2. The other two sort each row's indices by key first:
+MB, K 75 MB) far exceed the 50 MB L2. The other two sort each row's indices by key first
+(`sorted_by_key`, which skips the sort when the rows already are, as FlashTopK's arrive):
 - "waves": launches of one CTA per SM, in a loop. The CTAs of a launch start together and walk their
   keys upward at about the same pace. Each launch waits for its slowest CTA, about 49 µs a wave on
   the H200.
@@ -389,13 +390,23 @@ def check_applies(q, k, v, value_dim, deterministic=False):
     raise NotImplementedError(f"the Mosaic GPU backward takes bf16/f16 q and k, got {q.dtype}, {k.dtype}")
 
 
+def rows_ascending(rows):
+  """bool scalar: every row of int [..., K] is non-decreasing."""
+  return jnp.all(rows[..., 1:] >= rows[..., :-1])
+
+
 def sorted_by_key(indices, num_keys: int):
-  """int32 [..., K]: each row's indices in [0, num_keys) in ascending order, then -1 for the others."""
+  """int32 [..., K]: each row's indices in [0, num_keys) in ascending order, then -1 for the others.
+
+  Rows that arrive so already (FlashTopK's unsorted rows list their winners in key order) skip the
+  sort: one pass checks every row, and the result is the same either way."""
   past = jnp.int32(jnp.iinfo(jnp.int32).max)
+  keyed = jnp.where((indices >= 0) & (indices < num_keys), indices, past).astype(jnp.int32)
+  in_order = rows_ascending(keyed)
   # Not stable: equal int32 keys are the same value, and XLA makes a stable sort carry an iota
   # operand to break ties (its StableSortExpander), twice the data for nothing here.
-  rows = jnp.sort(jnp.where((indices >= 0) & (indices < num_keys), indices, past), axis=-1, stable=False)
-  return jnp.where(rows == past, -1, rows).astype(jnp.int32)
+  rows = lax.cond(in_order, lambda x: x, lambda x: jnp.sort(x, axis=-1, stable=False), keyed)
+  return jnp.where(rows == past, -1, rows)
 
 
 def sparse_attention_backward_mgpu(q, k, indices, out, lse, dout, dlse, *, scale, config: Config | None = None):
