@@ -195,8 +195,10 @@ def test_matches_reference(B, T, S, H, K, Dk, sinks, variant):
   else:
     if variant.startswith("sweep@"):
       config = Config(schedule="sweep", sweep_start=int(variant.split("@")[1]))
+    elif variant == "cols64":
+      config = Config(dkv_cols=64)
     else:
-      config = Config(dkv_cols=64) if variant == "cols64" else Config(schedule=variant)
+      config = Config(schedule=variant)
     dq, dk = jax.jit(functools.partial(sparse_attention_backward_mgpu, scale=scale, config=config))(
         q, k, idx, out, lse, dout, dlse)
     dsinks, sinks = None, False
