@@ -21,6 +21,10 @@ atomics: per-slot f32 slabs, then a key-major sum; `--det-chunk-mib` of slabs pe
 timed beside the atomic `pallas_bwd` (`det_over_atomic`), checked against it, and run twice on
 the device to check that dq/dk/dv/dsinks are bit-identical (`det_bitwise_equal`). `--smoke` turns it on.
 
+Each row also times the Pallas backward on the same selections with every row in key order
+(`pallas_bwd_key_order_ms`), as FlashTopK hands them to a DSA layer: the kernel's row sort is then
+skipped. It is checked against the random-order gradients first.
+
 Every timed variant is checked against the reference in the same run first. Before each checked
 call, `poison` fills and frees device buffers of the outputs' sizes with NaN, so an output element a
 kernel forgot to write most likely reads back as NaN rather than as a stale correct value.
@@ -191,6 +195,20 @@ def checked_outputs(fns, args):
   return (out_r, lse_r), g_p, errors
 
 
+def key_order_backward_row(bwd, args, out, lse, g_p, bwd_flops, reps):
+  """The same backward program on the same selections with each row in key order, as FlashTopK's
+  `sorted=False` rows arrive in a DSA layer (measured on the GPU, 2026-12-06): the kernel then skips
+  its row sort. Checked against the random-order gradients first (the same sums, another order)."""
+  q, k, v, idx, sinks, dout = args
+  ordered = (q, k, v, jnp.sort(idx, axis=-1), sinks, dout)
+  poison(*g_p)
+  g_o = bwd(*ordered, out, lse)
+  errors = {f"key_order_d{n}": rel_err(a, b) for n, a, b in zip(("q", "k", "v", "sinks"), g_o, g_p) if b is not None}
+  assert all(np.isfinite(list(errors.values()))), errors
+  ms = timed(bwd, *ordered, out, lse, reps=reps) * 1e3
+  return dict(key_order_errors=errors, pallas_bwd_key_order_ms=ms, pallas_bwd_key_order_tflops=bwd_flops / ms / 1e9)
+
+
 def stamp(*msg):
   print(f"[{time.strftime('%H:%M:%S')}]", *msg, flush=True)
 
@@ -285,6 +303,7 @@ def run_row(row_key, shape: Shape, T, compiled, reps, skip_reference, key_window
       row["errors"]["triton_out"], row["errors"]["triton_lse"] = rel_err(out_t, out_r), float(jnp.max(jnp.abs(lse_t - lse_r)))
       row["pallas_triton_fwd_ms"] = timed(get("pallas_triton_fwd"), *args, reps=r) * 1e3
       row["pallas_triton_fwd_tflops"] = fwd_flops / row["pallas_triton_fwd_ms"] / 1e9
+      row.update(key_order_backward_row(get("pallas_bwd"), args, out_r, lse_r, g_p, bwd_flops, r))
     stamp(f"{name} T={T}: {backend} attention timed")
     teacher_in = teacher_inputs(x, lse_r)
     row[f"teacher_1k_rows_{backend}"] = get(f"{backend}_teacher")(*teacher_in)
@@ -401,6 +420,10 @@ def print_row(row):
         f" | teacher 1k rows {row['teacher_1k_rows_pallas_ms']:.2f} ms ref {row.get('teacher_1k_rows_reference_ms', float('nan')):.2f}"
         f" | indexer loss fwd+bwd {row['indexer_loss_pallas_ms']:.1f} ms ref {row.get('indexer_loss_reference_ms', float('nan')):.1f}"
         f" | errors {json.dumps({k: float(f'{v:.2e}') for k, v in row['errors'].items()})}", flush=True)
+  if "pallas_bwd_key_order_ms" in row:
+    print(f"{row['shape']:6s} T={row['T']:6d} | bwd pallas, rows in key order {row['pallas_bwd_key_order_ms']:8.2f} ms"
+          f" {row['pallas_bwd_key_order_tflops']:6.1f} TF/s"
+          f" | vs random order {json.dumps({k: float(f'{v:.2e}') for k, v in row['key_order_errors'].items()})}", flush=True)
   if "pallas_det_bwd_ms" in row:
     print(f"{row['shape']:6s} T={row['T']:6d} | deterministic bwd {row['pallas_det_bwd_ms']:8.2f} ms"
           f" {row['pallas_det_bwd_tflops']:6.1f} TF/s = {row['det_over_atomic']:.2f}x atomic"

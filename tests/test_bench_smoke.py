@@ -26,7 +26,9 @@ _SCRIPTS = {
                    and [r["fp8_overlap_with_bf16"] > 0.9 for r in data if r["variant"] == "pallas_fp8"] == [True]),
     "sparse_attention": (["bench/sparse_attention.py", "table", "--smoke"],
                          lambda data: all(_positive(r.get("pallas_fwd_ms", 1.0)) for r in data["rows"])
-                         and data["rows"][0]["det_bitwise_equal"] and _positive(data["rows"][0]["pallas_det_bwd_ms"])),
+                         and data["rows"][0]["det_bitwise_equal"] and _positive(data["rows"][0]["pallas_det_bwd_ms"])
+                         and _positive(data["rows"][0]["pallas_bwd_key_order_ms"])
+                         and max(data["rows"][0]["key_order_errors"].values()) < 1e-5),
     "layer_step": (["bench/layer_step.py", "--smoke", "--layers", "dsa", "glm", "--modes", "megatron_style", "hyscale"],
                    lambda data: len(data["rows"]) == 4 and all(_positive(r["step_s"]) for r in data["rows"])
                    and all(r["check_ok"] and "parts_s" in r for r in data["rows"][1::2])
