@@ -76,8 +76,9 @@ def run_one(model, seq, mode, args, workdir):
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout_s)
   except subprocess.TimeoutExpired as e:
-    proc = subprocess.CompletedProcess(cmd, -9, e.stdout or "", (e.stderr or "") + f"\ntimed out after {args.timeout_s} s")
-    proc.stdout, proc.stderr = (x.decode() if isinstance(x, bytes) else x for x in (proc.stdout, proc.stderr))
+    # TimeoutExpired carries bytes even under text=True.
+    stdout, stderr = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+    proc = subprocess.CompletedProcess(cmd, -9, stdout, stderr + f"\ntimed out after {args.timeout_s} s")
   row = dict(model=model, T=seq, mode=mode, wall_s=time.perf_counter() - t0, command=" ".join(cmd[1:]))
   if model == "glm2":
     row["experts"] = args.experts
@@ -87,18 +88,24 @@ def run_one(model, seq, mode, args, workdir):
   estimate = re.search(r"memory preflight: about ([0-9.]+) GiB", proc.stderr + proc.stdout)
   if estimate:
     row["estimate_gb"] = float(estimate.group(1)) * 2**30 / 1e9
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  metrics = []
+  if os.path.exists(metrics_path):
+    with open(metrics_path) as f:
+      metrics = [json.loads(line) for line in f if line.strip()]
+  curve = [{k: m.get(k) for k in ("step", "stage", "loss", "lm_loss", "indexer_loss")} for m in metrics]
   if proc.returncode:
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     row["error"] = " | ".join(tail)
-    _log(f"{model} {mode}: FAILED: {row['error'][:400]}")
+    if curve:  # a run cut by --timeout-s keeps the windows it logged
+      row["curve"] = curve
+    _log(f"{model} {mode}: FAILED: {row['error'][:400]}; logged steps {[m['step'] for m in curve]}")
     return row
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    metrics = [json.loads(line) for line in f if line.strip()]
   last = metrics[-1]
   tokens_per_step = _tokens_per_step(model, seq, args)
   row.update(steps_per_s=last["tokens_per_sec"] / tokens_per_step, tokens_per_s=last["tokens_per_sec"],
              tokens_per_step=tokens_per_step, lm_loss=last["lm_loss"], indexer_loss=last["indexer_loss"],
-             curve=[{k: m.get(k) for k in ("step", "stage", "loss", "lm_loss", "indexer_loss")} for m in metrics])
+             curve=curve)
   if "device_peak_gb" in last:
     row["device_peak_gb"] = max(m.get("device_peak_gb", 0.0) for m in metrics)
   _log(f"{model} T={seq} {mode}: {row['steps_per_s']:.3f} steps/s ({row['tokens_per_s']:.0f} tokens/s), "

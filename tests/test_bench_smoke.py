@@ -93,3 +93,15 @@ def test_layer_step_plots_from_its_json(runs, tmp_path):
 
   written = layer_step.main(["plot", "--smoke", "--out", str(out), "--plots", str(tmp_path)])
   assert all(pathlib.Path(p).stat().st_size > 1000 for p in written)
+
+
+def test_model_step_row_of_a_run_cut_by_its_timeout(tmp_path):
+  """A train.py run stopped by `--timeout-s` still writes its row, with the error, instead of crashing
+  the sweep (the killed child's output arrives as bytes)."""
+  out = tmp_path / "cut.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  proc = subprocess.run([sys.executable, "bench/model_step.py", "--smoke", "--modes", "hyscale", "--timeout-s", "0.5",
+                         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (row,) = json.loads(out.read_text())["rows"]
+  assert "timed out after 0.5 s" in row["error"] and "steps_per_s" not in row, row
