@@ -127,6 +127,18 @@ def rel_err(a, b):
   return float(_rel_err(jnp.asarray(a), jnp.asarray(b)))
 
 
+def grad_errors(grads, expected):
+  """{"dq": ..., "dk": ..., "dv": ..., "dsinks": ...}: relative errors of `grads` against `expected`
+  where the latter has the gradient; all must be finite."""
+  errors = {f"d{n}": rel_err(a, b) for n, a, b in zip(("q", "k", "v", "sinks"), grads, expected) if b is not None}
+  assert all(np.isfinite(list(errors.values()))), errors
+  return errors
+
+
+def format_errors(errors):
+  return json.dumps({k: float(f"{v:.2e}") for k, v in errors.items()})
+
+
 def variants(shape: Shape, scale, fwd_config=None, bwd_config=None, det_chunk_mib=1024):
   """name -> fn(q, k, v, idx, sinks, dout[, out, lse]) for the forward, backward and fwd+bwd of each backend,
   and `pallas_det_bwd`, the deterministic Pallas backward (`det_chunk_mib` MiB of f32 slabs per chunk).
@@ -190,7 +202,7 @@ def checked_outputs(fns, args):
   poison(*g_r)
   g_p = fns["pallas_bwd"](*args, out_r, lse_r)
   errors = dict(out=rel_err(out_p, out_r), lse=float(jnp.max(jnp.abs(lse_p - lse_r))),
-                **{f"d{n}": rel_err(a, b) for n, a, b in zip(("q", "k", "v", "sinks"), g_p, g_r) if b is not None})
+                **grad_errors(g_p, g_r))
   assert all(np.isfinite(list(errors.values()))), errors
   return (out_r, lse_r), g_p, errors
 
@@ -203,8 +215,7 @@ def key_order_backward_row(bwd, args, out, lse, g_p, bwd_flops, reps):
   ordered = (q, k, v, jnp.sort(idx, axis=-1), sinks, dout)
   poison(*g_p)
   g_o = bwd(*ordered, out, lse)
-  errors = {f"key_order_d{n}": rel_err(a, b) for n, a, b in zip(("q", "k", "v", "sinks"), g_o, g_p) if b is not None}
-  assert all(np.isfinite(list(errors.values()))), errors
+  errors = grad_errors(g_o, g_p)
   ms = timed(bwd, *ordered, out, lse, reps=reps) * 1e3
   return dict(key_order_errors=errors, pallas_bwd_key_order_ms=ms, pallas_bwd_key_order_tflops=bwd_flops / ms / 1e9)
 
@@ -332,8 +343,7 @@ def deterministic_row(det_bwd, args, out, lse, atomic_grads, reps):
   poison(*atomic_grads)
   second = det_bwd(*args, out, lse)
   same = all(bool(jnp.array_equal(a, b)) for a, b in zip(first, second) if a is not None)
-  errors = {f"d{n}": rel_err(a, b) for n, a, b in zip(("q", "k", "v", "sinks"), first, atomic_grads) if b is not None}
-  assert all(np.isfinite(list(errors.values()))), errors
+  errors = grad_errors(first, atomic_grads)
   del first, second
   return dict(det_bitwise_equal=same, det_vs_atomic=errors,
               pallas_det_bwd_ms=timed(det_bwd, *args, out, lse, reps=reps) * 1e3)
@@ -419,16 +429,16 @@ def print_row(row):
         f" | temp GB pallas {row['pallas_fwd_bwd_temp_gb']:.2f} ref {ref('fwd_bwd_temp_gb'):.2f}"
         f" | teacher 1k rows {row['teacher_1k_rows_pallas_ms']:.2f} ms ref {row.get('teacher_1k_rows_reference_ms', float('nan')):.2f}"
         f" | indexer loss fwd+bwd {row['indexer_loss_pallas_ms']:.1f} ms ref {row.get('indexer_loss_reference_ms', float('nan')):.1f}"
-        f" | errors {json.dumps({k: float(f'{v:.2e}') for k, v in row['errors'].items()})}", flush=True)
+        f" | errors {format_errors(row['errors'])}", flush=True)
   if "pallas_bwd_key_order_ms" in row:
     print(f"{row['shape']:6s} T={row['T']:6d} | bwd pallas, rows in key order {row['pallas_bwd_key_order_ms']:8.2f} ms"
           f" {row['pallas_bwd_key_order_tflops']:6.1f} TF/s"
-          f" | vs random order {json.dumps({k: float(f'{v:.2e}') for k, v in row['key_order_errors'].items()})}", flush=True)
+          f" | vs random order {format_errors(row['key_order_errors'])}", flush=True)
   if "pallas_det_bwd_ms" in row:
     print(f"{row['shape']:6s} T={row['T']:6d} | deterministic bwd {row['pallas_det_bwd_ms']:8.2f} ms"
           f" {row['pallas_det_bwd_tflops']:6.1f} TF/s = {row['det_over_atomic']:.2f}x atomic"
           f" | temp GB {row['pallas_det_bwd_temp_gb']:.2f} | bit-identical twice: {row['det_bitwise_equal']}"
-          f" | vs atomic {json.dumps({k: float(f'{v:.2e}') for k, v in row['det_vs_atomic'].items()})}", flush=True)
+          f" | vs atomic {format_errors(row['det_vs_atomic'])}", flush=True)
 
 
 def run_table(shapes, seqs, dense_seq, reps, skip_reference_above, workers, out_path, det_chunk_mib=0,
