@@ -321,6 +321,33 @@ def test_xla_baseline_dense_form_is_the_reference():
     np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.parametrize("blocks", [None, (4, 8)])
+def test_pallas_dense_form_matches_oracle(blocks, monkeypatch):
+  """The pallas backend's dense form is the reference's streaming in GPU-sized tiles (no kernel, so it
+  runs here): at its own tiles (one block at this T) and at small ones over a ragged length."""
+  from hyscale_jax.ops.indexer_loss import api  # noqa: PLC0415
+
+  if "pallas" not in api.REGISTRY.implementations:
+    pytest.skip("pallas_kernels.sparse_attention does not import here")
+  if blocks is not None:
+    monkeypatch.setattr(api, "GPU_DENSE_BLOCKS", blocks)
+  rng = np.random.default_rng(9)
+  B, T, HI, DI, H, G, Dk = 2, 13, 2, 8, 4, 2, 8
+  inputs, scale = _make_inputs(rng, B, T, T, HI, DI, H, G, Dk, True)
+  q_seg, kv_seg = (jnp.asarray(s) for s in _seg_pair(B, T))
+  kw = dict(attn_scale=scale, index_scale=_INDEX_SCALE, q_offset=2, segment_ids=(q_seg, kv_seg))
+  f = lambda q, k, w: indexer_loss(q, k, w, *inputs[3:], None, None, **kw, backend="pallas")
+  loss, grads = jax.value_and_grad(f, argnums=(0, 1, 2))(*inputs[:3])
+  args64 = tuple(_np(x) for x in inputs) + (None, None)
+  okw = dict(kw, segment_ids=_seg_pair(B, T))
+  want_loss = indexer_loss_oracle(*args64, **okw)
+  assert want_loss > 1e-3
+  np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5, atol=1e-6)
+  for name, g, w in zip(("d_index_q", "d_index_k", "d_index_weights"), grads,
+                        indexer_loss_grads_oracle(*args64, **okw)):
+    assert _rel_err(g, w) < 1e-4, (name, _rel_err(g, w))
+
+
 @pytest.mark.parametrize("context", [1, 4])
 def test_with_row_count_returns_the_rows_with_a_support(context):
   """`with_row_count=True`: the same loss, and the rows counted (non-empty support), summed over a

@@ -17,17 +17,27 @@ REGISTRY = BackendRegistry(
 )
 
 
+# The dense form's [query_chunk, H, key_chunk] f32 tiles on the GPU. The reference's 64 x 256 make a
+# 128K-token pass about 520K loop steps of small kernels, so launches, not FLOPs, set its time
+# (bench/probe_dense_indexer_loss.py).
+GPU_DENSE_BLOCKS = (256, 1024)
+
+
 def _with_pallas_kernels(teacher_kernel):
   """The sparse form with the teacher and the indexer's scores at the selected keys (and their
   gradient) from Pallas kernels; the softmax, KL and logit gradient are XLA over [chunk, K].
 
-  Query chunks of 1024 rows keep the kernels' grids wide on the GPU.
+  Query chunks of 1024 rows keep the kernels' grids wide on the GPU. The dense form is the
+  reference's streaming in `GPU_DENSE_BLOCKS` tiles.
   """
   from pallas_kernels.flash_topk import index_scores_at_pallas  # noqa: PLC0415 - beside the teacher's package
 
   def loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices=None, **kwargs):
     if indices is None:
-      raise NotImplementedError("indexer_loss: the pallas backend covers the sparse form (indices given).")
+      query_chunk, key_chunk = GPU_DENSE_BLOCKS
+      return indexer_loss_reference(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, None,
+                                    query_chunk=min(query_chunk, index_q.shape[1]), key_chunk=key_chunk,
+                                    **kwargs)
     return indexer_loss_reference(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices,
                                   teacher_mass=teacher_kernel, scores_at=index_scores_at_pallas, query_chunk=1024,
                                   **kwargs)
@@ -137,8 +147,9 @@ def indexer_loss(
       None (index keys are attention keys). Entries are used as given (segment_ids do not apply):
       the caller masks tokens of other documents with -1, as `layers.qsa.expand_blocks` does.
     key_pool: "sum" or "max": how the block form pools its attention keys' teacher masses.
-    backend: "auto", "pallas" (sparse form only: the teacher from a Pallas kernel), "reference", or
-      "xla_baseline" (the Megatron-style backward that rescores every key; the dense form is the reference's).
+    backend: "auto", "pallas" (the sparse form's teacher from a Pallas kernel; the dense form streamed in
+      GPU-sized tiles), "reference", or "xla_baseline" (the Megatron-style backward that rescores every
+      key; the dense form is the reference's).
 
   Returns:
     f32[] the loss, or (loss, i32[] rows counted) with `with_row_count`; `grads_out` appends the
