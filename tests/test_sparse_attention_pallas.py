@@ -235,8 +235,6 @@ def test_indexer_loss_pallas_backend_matches_reference():
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, w in zip(got_grads, want_grads):
       np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6 * np.abs(w).max())
-  with pytest.raises(NotImplementedError, match="sparse form"):
-    ops.indexer_loss(iq, ik, iw, aq, ak, lse, None, attn_scale=0.3, backend="pallas")
 
 
 # v=None: the values are k's first `value_dim` columns. (B, T, S, H, G, Dk, value_dim, K, sinks, config)
