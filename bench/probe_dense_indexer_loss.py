@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, ".")
 sys.path.insert(0, "bench")
 from hyscale_jax.ops.indexer_loss.reference import indexer_loss_reference  # noqa: E402
-from timing import timed_or_report  # noqa: E402
+from timing import timed_or_report, write_rows  # noqa: E402
 
 
 def make_inputs(T, H, D, HI, DI, seed=0):
@@ -75,9 +75,7 @@ def main():
                                   for a, b in zip(leaves, first))
       rows.append(row)
       print(json.dumps(row), flush=True)
-      if args.out:
-        with open(args.out, "w") as f:
-          json.dump(rows, f, indent=1)
+      write_rows(args.out, rows)  # after each row: a call cut by its time limit keeps what it measured
 
 
 if __name__ == "__main__":
