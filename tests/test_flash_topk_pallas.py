@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hyscale_jax import ops
 from hyscale_jax.ops.flash_topk import flash_topk_reference
 from hyscale_jax.ops.flash_topk.pallas import (
     _finish, flash_topk_pallas, flash_topk_pallas_with_stats,
@@ -93,9 +94,11 @@ def _check(q, k, w, *, config=_THRESHOLD, topk, compress_ratio=1, q_offset=0, se
   o_idx, o_sc = _oracle(q, k, w, q_offset=q_offset, segment_ids=segment_ids, **kw)
   _assert_equal("pallas vs f64 oracle", (idx, sc), o_idx, o_sc)
   _assert_equal("reference vs f64 oracle", ref, o_idx, o_sc)
+  rescued_rows = np.asarray(stats.pop("rescued_rows"))
   stats = {key: np.asarray(v).item() for key, v in stats.items()}
   assert stats["rows"] == q.shape[0] * q.shape[1]
   assert 0 <= stats["rescued"] <= stats["rows"]
+  assert rescued_rows.shape == q.shape[:2] and rescued_rows.sum() == stats["rescued"]
   return o_idx, o_sc, stats
 
 
@@ -580,7 +583,7 @@ def test_index_scores_at_kernel_rejects_a_step_that_is_not_a_power_of_two():
 
 def test_segment_first_keys_is_each_querys_first_key_of_its_segment():
   """Any id layout: ids that come back later, ids absent from the keys (Tk), negative ids."""
-  from pallas_kernels.flash_topk.flash_topk import segment_first_keys  # noqa: PLC0415
+  from pallas_kernels.flash_topk._common import segment_first_keys  # noqa: PLC0415
 
   kv_seg = np.array([3, 3, 1, 1, -1, 3, 2, 2, 1, 0], np.int32)
   q_seg = np.array([3, 1, 2, 0, -1, 7, 1, 2, 3, 9], np.int32)
@@ -588,5 +591,20 @@ def test_segment_first_keys_is_each_querys_first_key_of_its_segment():
   np.testing.assert_array_equal(np.asarray(segment_first_keys(jnp.asarray(q_seg), jnp.asarray(kv_seg))), want)
   assert want == [0, 2, 6, 9, 4, 10, 2, 6, 0, 10]
   # Straight-line XLA: jnp.searchsorted's default method is a scan, a while loop whose steps the GPU
-  # launches one by one (0.25 ms before each grouped matmul, bench/NOTES.md 2026-12-06).
+  # launches one by one (0.25 ms before each grouped matmul, docs/kernels/grouped_matmul.md).
   assert not lowers_to_loop(segment_first_keys, jnp.asarray(q_seg), jnp.asarray(kv_seg))
+
+
+def test_rows_that_overflow_the_candidate_buffer_are_rescued_and_reported():
+  """Every other key scores high and the strided sample sees only the low ones, so the threshold sits
+  below half the keys: the buffer overflows, the rows are recomputed exactly, and `with_stats` reports
+  them (what train.py counts as `topk_rescued_rows`)."""
+  num_keys, topk = 2304, 8
+  k = jnp.where(jnp.arange(num_keys) % 2 == 0, 2.0, 1.0)[None, :, None].astype(jnp.float32)
+  q = jnp.ones((1, 4, 1, 1), jnp.float32)
+  common = dict(topk=topk, q_offset=num_keys - 4)
+  selection, rescued = ops.flash_topk(q, k, None, backend="pallas", with_stats=True, **common)
+  reference, none_rescued = ops.flash_topk(q, k, None, backend="reference", with_stats=True, **common)
+  assert rescued.tolist() == [[True] * 4] and not none_rescued.any()
+  np.testing.assert_array_equal(selection.indices, reference.indices)
+  np.testing.assert_array_equal(selection.indices[0, 0], np.arange(0, 2 * topk, 2))

@@ -116,7 +116,7 @@ def test_every_layer_runs_alone_under_jit():
   @nnx.jit
   def forward_and_grad(layer, x):
     def loss(layer):
-      y, _, indexer_loss, _ = layer(x, positions, segment_ids)
+      y, _, indexer_loss, *_ = layer(x, positions, segment_ids)
       return jnp.mean(y**2) + indexer_loss
     return nnx.value_and_grad(loss)(layer)
 

@@ -95,7 +95,7 @@ def test_deepseek_v4_mtp_takes_the_streams_and_matches_the_float64_oracle():
   loss = model.mtp_loss(aux["mtp_hidden"], targets, mask)
   positions, segments = jnp.broadcast_to(jnp.arange(T), (B, T)), jnp.zeros((B, T), jnp.int32)
   # The main model's streams before its collapse: what DeepSeek's MTPBlock takes.
-  streams, _, _ = model._run_layers(expand_streams(model.embed_tokens(tokens), cfg.hc_mult), positions, segments,
+  streams, *_ = model._run_layers(expand_streams(model.embed_tokens(tokens), cfg.hc_mult), positions, segments,
                                     (None,) * 4, dense=False, backends=None)
   depth = model.mtp[0]
   as_f64 = lambda f: lambda x: np.asarray(f(jnp.asarray(x, jnp.float32)), np.float64)

@@ -154,7 +154,7 @@ class CompressedSparseAttention(nnx.Module):
     sparse = lambda keys, indices, **kw: ops.sparse_attention(
         q, keys[:, :, None], None, indices, scale=self.scale, deterministic=cfg.sparse_attention_deterministic,
         backend=backend("sparse_attention"), **kw)
-    selection = indexer_loss = None
+    selection = indexer_loss = rescued = None
     if self.compressor is None:
       out, lse = sparse(kv, window, sinks=sinks)
     else:
@@ -162,9 +162,10 @@ class CompressedSparseAttention(nnx.Module):
       segs = (segment_ids, entry_seg)
       index_inputs = None if self.indexer is None else self.indexer(x, c_q, positions, segment_ids)
       if index_inputs is not None and not dense:
-        selection = ops.flash_topk(*index_inputs, topk=cfg.index_topk, compress_ratio=self.ratio,
-                                   scale=self.indexer.score_scale, segment_ids=segs, sorted=False,
-                                   backend=backend("flash_topk")).indices
+        selection, rescued = ops.flash_topk(*index_inputs, topk=cfg.index_topk, compress_ratio=self.ratio,
+                                            scale=self.indexer.score_scale, segment_ids=segs, sorted=False,
+                                            backend=backend("flash_topk"), with_stats=True)
+        selection, rescued = selection.indices, jnp.sum(rescued, dtype=jnp.int32)
         indices = jnp.concatenate([window, jnp.where(selection >= 0, selection + T, -1)], axis=-1)
         out, lse = sparse(jnp.concatenate([kv, entries], axis=1), indices, sinks=sinks)  # [B, T + S, hd] keys
       else:  # every visible entry, streamed: nothing [T, S]
@@ -179,7 +180,7 @@ class CompressedSparseAttention(nnx.Module):
           *index_inputs, q, entries[:, :, None], lse, None if dense else selection,
           attn_scale=self.scale, index_scale=self.indexer.score_scale, compress_ratio=self.ratio,
           segment_ids=segs, grad_in_forward=cfg.indexer_loss_grad_in_forward, backend=backend("indexer_loss"))
-    return AttentionOutput(self.project_out(out, positions), selection, indexer_loss)
+    return AttentionOutput(self.project_out(out, positions), selection, indexer_loss, rescued)
 
   def project_out(self, out: Float[Array, "B T H hd"], positions: Int[Array, "B T"]) -> Float[Array, "B T D"]:
     """The attention output [B, T, H, hd] de-rotated and through the grouped low-rank projection."""

@@ -18,11 +18,14 @@ from hyscale_jax.ops import _streaming as st
 
 
 class AttentionOutput(NamedTuple):
-  """`out` [B, T, D]; `indices` i32[B, T, K] or None (dense); `indexer_loss` f32[] or None."""
+  """`out` [B, T, D]; `indices` i32[B, T, K] or None (dense); `indexer_loss` f32[] or None;
+  `rescued_rows` i32[] or None: the rows whose selection took FlashTopK's slow exact path (`ops.flash_topk`
+  `with_stats`), None where this call selected nothing."""
 
   out: jax.Array
   indices: jax.Array | None
   indexer_loss: jax.Array | None
+  rescued_rows: jax.Array | None = None
 
 
 class MLASparseAttention(nnx.Module):
@@ -135,7 +138,8 @@ class MLASparseAttention(nnx.Module):
   def query_rows(self, keys, segment_ids, backends, *, grads_out: bool = False, replay: bool = False):
     """The sparse path for some query rows against all keys: a function of (x [B, t, D] normalised rows,
     positions, their segment ids, q_offset i32[] of their first row, shared indices or None) ->
-    (out [B, t, D], indices i32[B, t, K], indexer loss f32[] or None, rows counted or None, grads).
+    (out [B, t, D], indices i32[B, t, K], indexer loss f32[] or None, rows counted or None, grads,
+    rows rescued i32[] or None: those whose selection took FlashTopK's slow exact path).
 
     `keys()` returns (k, index_k) of all T rows (`keys`; a thunk, so a chunk loop may close over f32
     copies, `st.summed_in_f32`); `segment_ids` i32[B, T] are the keys'. With `grads_out` (and the
@@ -157,14 +161,15 @@ class MLASparseAttention(nnx.Module):
       k, index_k = keys()
       B, t = x.shape[:2]
       q, c_q = self._mqa_queries(x, positions, w_uk)
-      loss = rows_counted = grads = None
+      loss = rows_counted = grads = rescued = None
       indexer = None if replay and cfg.indexer_loss_grad_in_forward else self.indexer
       if indexer is not None:
         index_q, index_w = indexer.queries(x, c_q, positions)
       if self.indexer is not None and not replay:
-        indices = ops.flash_topk(index_q, index_k, index_w, topk=cfg.index_topk, scale=self.indexer.score_scale,
-                                 q_offset=q_offset, segment_ids=(q_seg, segment_ids), sorted=False,
-                                 backend=backend("flash_topk")).indices
+        selection, rescued = ops.flash_topk(
+            index_q, index_k, index_w, topk=cfg.index_topk, scale=self.indexer.score_scale, q_offset=q_offset,
+            segment_ids=(q_seg, segment_ids), sorted=False, backend=backend("flash_topk"), with_stats=True)
+        indices, rescued = selection.indices, jnp.sum(rescued, dtype=jnp.int32)
       # v is k's latent prefix: passing None lets the kernels gather and scatter one row for both.
       out, lse = ops.sparse_attention(q, k, None, indices, scale=scale, value_dim=cfg.kv_lora_rank,
                                       deterministic=cfg.sparse_attention_deterministic,
@@ -181,7 +186,7 @@ class MLASparseAttention(nnx.Module):
         else:
           grads = None
       heads = jnp.einsum("bthl,lhv->bthv", out, w_uv.astype(out.dtype))  # [B, t, H, v_head_dim]
-      return self.o_proj(heads.reshape(B, t, -1)), indices, loss, rows_counted, grads
+      return self.o_proj(heads.reshape(B, t, -1)), indices, loss, rows_counted, grads, rescued
 
     return rows
 
@@ -250,21 +255,28 @@ class MLASparseAttention(nnx.Module):
     # Every query chunk adds to the keys' gradients: sum them in f32, not in the keys' dtype.
     keys = st.summed_in_f32((k, index_k)) if chunk else lambda: (k, index_k)
     query_rows = self.query_rows(keys, segment_ids, backends)
-    rows = lambda xs: query_rows(*xs)[:4]
+    rows = lambda xs: _without_grads(query_rows(*xs))
 
     if not chunk:
-      out, indices, indexer_loss, _ = rows((x, positions, segment_ids, 0, shared_indices))
-      return AttentionOutput(out, indices, indexer_loss)
+      out, indices, indexer_loss, _, rescued = rows((x, positions, segment_ids, 0, shared_indices))
+      return AttentionOutput(out, indices, indexer_loss, rescued)
     split = lambda a: None if a is None else st.to_blocks(a, 1, chunk)  # [T // chunk, B, chunk, ...]
     starts = jnp.arange(T // chunk, dtype=jnp.int32) * chunk
     # Without remat, lax.map would keep every chunk's residuals, the [B, T, H, ...] arrays chunking
     # avoids; scan already keeps iterations apart, so CSE prevention is not needed. Each chunk keeps
     # only its selection (see ModelConfig.query_chunk; the enclosing layer's policy must agree).
-    out, indices, losses, rows_counted = jax.lax.map(
+    out, indices, losses, rows_counted, rescued = jax.lax.map(
         remat.remat(rows, cfg.remat_policy, prevent_cse=False, save_attention=False),
         (split(x), split(positions), split(segment_ids), starts, split(shared_indices)))
     indexer_loss = None
     if losses is not None:  # the mean over all counted rows, from the chunks' means
       n = rows_counted.sum()
       indexer_loss = jnp.sum(losses * rows_counted.astype(losses.dtype)) / jnp.maximum(n, 1).astype(losses.dtype)
-    return AttentionOutput(st.from_blocks(out, 1, T), st.from_blocks(indices, 1, T), indexer_loss)
+    return AttentionOutput(st.from_blocks(out, 1, T), st.from_blocks(indices, 1, T), indexer_loss,
+                           None if rescued is None else rescued.sum())
+
+
+def _without_grads(rows_out):
+  """`query_rows`' result without its gradient sums (the unchunked layer's own autodiff computes them)."""
+  out, indices, loss, rows_counted, _, rescued = rows_out
+  return out, indices, loss, rows_counted, rescued

@@ -220,14 +220,15 @@ class QSAAttention(nnx.Module):
     q, k, v, gate = self.qkv_gate(x, positions)
     index_q, block_keys, block_seg = self.indexer(x, positions, segment_ids)
     segs = (segment_ids, block_seg)
-    blocks = None
+    blocks = rescued = None
     if dense:  # every causal token of the document, streamed: nothing [T, T]
       out = ops.causal_attention(q, k, v, scale=self.scale, segment_ids=segment_ids,
                                  backend=backend("causal_attention"))
     else:
-      blocks = ops.flash_topk(index_q, block_keys, None, topk=cfg.index_topk,
-                              compress_ratio=cfg.qsa_block, scale=self.indexer.score_scale,
-                              segment_ids=segs, sorted=False, backend=backend("flash_topk")).indices
+      blocks, rescued = ops.flash_topk(index_q, block_keys, None, topk=cfg.index_topk,
+                                       compress_ratio=cfg.qsa_block, scale=self.indexer.score_scale,
+                                       segment_ids=segs, sorted=False, backend=backend("flash_topk"), with_stats=True)
+      blocks, rescued = blocks.indices, jnp.sum(rescued, dtype=jnp.int32)
       tokens = expand_blocks(blocks, segment_ids, cfg.qsa_block)
       out, lse = ops.sparse_attention(q, k, v, tokens, scale=self.scale, deterministic=cfg.sparse_attention_deterministic,
                                       backend=backend("sparse_attention"))
@@ -243,4 +244,4 @@ class QSAAttention(nnx.Module):
                                 key_pool=cfg.indexer_pool, grad_in_forward=cfg.indexer_loss_grad_in_forward,
                                 backend=backend("indexer_loss"))
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
-    return AttentionOutput(self.o_proj(out.reshape(B, T, -1)), blocks, loss)
+    return AttentionOutput(self.o_proj(out.reshape(B, T, -1)), blocks, loss, rescued)

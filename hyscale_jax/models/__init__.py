@@ -7,7 +7,7 @@ import numpy as np
 from flax import nnx
 
 from hyscale_jax.model_config import ModelConfig
-from hyscale_jax.models.decoder import Decoder, DecoderLayer, ModelOutput
+from hyscale_jax.models.decoder import Decoder, DecoderLayer, LayerOutput, ModelOutput
 from hyscale_jax.models.deepseek_v4 import DeepseekV4
 from hyscale_jax.models.generate import generate
 from hyscale_jax.models.glm5 import GlmMoeDsa
@@ -45,5 +45,5 @@ def count_params(config) -> tuple[int, int]:
   return total, active
 
 
-__all__ = ["ARCHITECTURES", "Decoder", "DecoderLayer", "DeepseekV4", "GlmMoeDsa", "ModelConfig",
+__all__ = ["ARCHITECTURES", "Decoder", "DecoderLayer", "LayerOutput", "DeepseekV4", "GlmMoeDsa", "ModelConfig",
            "ModelOutput", "Qwen4Exp", "build", "count_params", "generate"]

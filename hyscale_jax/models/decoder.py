@@ -16,7 +16,7 @@ from hyscale_jax.layers.lm_head import Head, chunked_lm_loss
 from hyscale_jax.layers.mlp import MLP
 from hyscale_jax.layers.moe import MoE
 from hyscale_jax.model_config import ModelConfig
-from hyscale_jax.models import layer_chunks
+from hyscale_jax.models import layer_chunks, residual
 from hyscale_jax.models.mtp import MTPLayer, depth_targets, shift_left
 
 
@@ -25,21 +25,6 @@ class ModelOutput(NamedTuple):
 
   logits: jax.Array
   aux: dict
-
-
-def _enter(connection, x):
-  """(block input, mix) of the residual `x`: x itself for a plain residual (`connection` None)."""
-  return (x, None) if connection is None else connection.enter(x)
-
-
-def _prenorm(norm, h):
-  """The block's RMSNorm of h, or h itself where a hyper-connection replaced the pre-norm (`norm` None)."""
-  return h if norm is None else norm(h)
-
-
-def _leave(connection, x, block_output, mix):
-  """The residual after a block: x + output, or the connection's stream update."""
-  return x + block_output if connection is None else connection.leave(x, block_output, mix)
 
 
 def periodic_runs(keys: list, max_period: int = 8) -> list[tuple[int, int, int]]:
@@ -68,6 +53,19 @@ def _structure(graphdef, state):
   """What must agree for two layers to share a scan body: graph, state tree, leaf shapes and dtypes."""
   leaves, treedef = jax.tree.flatten(state)
   return graphdef, treedef, tuple((a.shape, a.dtype) for a in leaves)
+
+
+class LayerOutput(NamedTuple):
+  """A `DecoderLayer`'s result: `x` like its input ([B, T, D], or streams [B, T, N, D]); `indices`
+  i32[B, T, K] (its selection, or the shared one it used) or None; `indexer_loss` f32[] or None;
+  `expert_load` f32[E] or None (MoE layers); `topk_rescued_rows` i32[] or None: the query rows whose
+  selection took FlashTopK's slow exact path (None where the layer selected nothing)."""
+
+  x: jax.Array
+  indices: jax.Array | None
+  indexer_loss: jax.Array | None
+  expert_load: jax.Array | None
+  topk_rescued_rows: jax.Array | None
 
 
 class DecoderLayer(nnx.Module):
@@ -105,9 +103,8 @@ class DecoderLayer(nnx.Module):
                      param_dtype=pdtype)
 
   def __call__(self, x, positions, segment_ids, *, dense=False, shared_indices=None, backends=None, token_ids=None):
-    """x [B, T, D] (or streams [B, T, N, D]) -> (x like the input, indices or None, indexer_loss or None,
-    expert_load f32[E] or None). `token_ids` i32[B, T]: the input tokens, read by hash-routed MoE layers
-    and `ple`."""
+    """x [B, T, D] (or streams [B, T, N, D]) -> `LayerOutput`. `token_ids` i32[B, T]: the input tokens,
+    read by hash-routed MoE layers and `ple`."""
     if self.ple is not None:
       if token_ids is None:
         raise ValueError("DecoderLayer: this layer has an n-gram embedding (`ple`) and needs token_ids=i32[B, T].")
@@ -115,12 +112,12 @@ class DecoderLayer(nnx.Module):
     chunk = 0 if dense else self.layer_chunk(x.shape[1])
     if chunk:
       return self._chunked_layer(x, positions, segment_ids, shared_indices, token_ids, backends, chunk)
-    h, mix = _enter(self.attn_hc, x)
-    attn = self.self_attn(_prenorm(self.input_layernorm, h), positions, segment_ids, dense=dense,
+    h, mix = residual.enter(self.attn_hc, x)
+    attn = self.self_attn(residual.prenorm(self.input_layernorm, h), positions, segment_ids, dense=dense,
                           shared_indices=shared_indices, backends=backends)
-    x = _leave(self.attn_hc, x, attn.out, mix)
+    x = residual.leave(self.attn_hc, x, attn.out, mix)
     x, load = self._chunked_ffn(x, token_ids, backends)
-    return x, attn.indices, attn.indexer_loss, load
+    return LayerOutput(x, attn.indices, attn.indexer_loss, load, attn.rescued_rows)
 
   def layer_chunk(self, T: int) -> int:
     """Rows per chunk when the whole sparse layer runs over sequence chunks (`_chunked_layer`), else 0.
@@ -148,13 +145,13 @@ class DecoderLayer(nnx.Module):
     loop's carry, as the index keys' gradient and the indexer weights' gradient from its queries,
     and saved once for the layer: not [T, DI] per chunk and [T, HI, DI] of query gradients.
 
-    Returns `__call__`'s (x, indices, indexer_loss, expert_load).
+    Returns `__call__`'s `LayerOutput`.
     """
     attn, cfg = self.self_attn, self.cfg
     indexer_params = None
     if cfg.indexer_loss_grad_in_forward and attn.indexer is not None:
       indexer_params = nnx.state(attn.indexer, nnx.Param)
-    out, indices, losses, rows_counted, loads, grad_sums, index_k = layer_chunks.chunked_layer(
+    out, indices, losses, rows_counted, loads, grad_sums, index_k, rescued = layer_chunks.chunked_layer(
         self, x, positions, segment_ids, shared_indices, token_ids, backends, chunk)
     indexer_loss = None
     if losses is not None:  # the mean over all counted rows, from the chunks' means
@@ -166,18 +163,19 @@ class DecoderLayer(nnx.Module):
       for grad, x_ in zip(jax.tree.leaves(grad_sums), jax.tree.leaves((index_k, indexer_params)), strict=True):
         grad = remat.tag((grad / n).astype(x_.dtype), remat.INDEXER_GRADS)
         indexer_loss = indexer_loss + jnp.sum((grad * (x_ - jax.lax.stop_gradient(x_))).astype(jnp.float32))
-    return out, indices, indexer_loss, None if loads is None else loads.mean(axis=0)
+    return LayerOutput(out, indices, indexer_loss, None if loads is None else loads.mean(axis=0),
+                       None if rescued is None else rescued.sum())
 
-  def _ffn(self, x, token_ids, backends):
+  def ffn(self, x, token_ids, backends):
     """The FFN sub-block on residual rows x [B, t, ...]: (the residual after it, expert_load f32[E] or None)."""
-    h, mix = _enter(self.mlp_hc, x)
+    h, mix = residual.enter(self.mlp_hc, x)
     moe_args = {"token_ids": token_ids} if isinstance(self.mlp, MoE) else {}
-    ffn = self.mlp(_prenorm(self.post_attention_layernorm, h), backends=backends, **moe_args)
+    ffn = self.mlp(residual.prenorm(self.post_attention_layernorm, h), backends=backends, **moe_args)
     ffn, load = ffn if isinstance(ffn, tuple) else (ffn, None)
-    return _leave(self.mlp_hc, x, ffn, mix), load
+    return residual.leave(self.mlp_hc, x, ffn, mix), load
 
   def _chunked_ffn(self, x, token_ids, backends):
-    """`_ffn` over `cfg.ffn_token_chunk` positions at a time, each chunk recomputed in the backward pass
+    """`ffn` over `cfg.ffn_token_chunk` positions at a time, each chunk recomputed in the backward pass
     (`layer_chunks.chunked_rows`: output and cotangent written in place).
 
     Every part of the sub-block is per position (routing included), so the chunks give the same
@@ -185,11 +183,11 @@ class DecoderLayer(nnx.Module):
     """
     chunk = self.cfg.ffn_chunk(x.shape[1])
     if not chunk:
-      return self._ffn(x, token_ids, backends)
+      return self.ffn(x, token_ids, backends)
     # Only the sub-block's own parameters: the attention's would be summed as zeros every chunk.
     # chunked_rows refuses a sub-block that reads one outside this filter (it would get no gradient).
     ffn_params = nnx.All(nnx.Param, nnx.Any(*map(nnx.PathContains, ("mlp", "mlp_hc", "post_attention_layernorm"))))
-    out, load = layer_chunks.chunked_rows(self, lambda layer, rows, ids: layer._ffn(rows, ids, backends), x,
+    out, load = layer_chunks.chunked_rows(self, lambda layer, rows, ids: layer.ffn(rows, ids, backends), x,
                                           token_ids, chunk, params=ffn_params)
     return out, None if load is None else load.mean(axis=0)
 
@@ -295,7 +293,8 @@ class Decoder(nnx.Module):
 
   def _run_layers(self, x, positions, segment_ids, activation_axes, *, dense, backends, token_ids=None,
                   embed_tokens=None):
-    """The layer stack: x [B, T, D] (or streams [B, T, N, D]) -> (x, indexer losses, expert loads);
+    """The layer stack: x [B, T, D] (or streams [B, T, N, D]) -> (x, indexer losses, expert loads, rows
+    rescued: FlashTopK's slow-path rows, i32[] per selecting layer);
     `token_ids` i32[B, T] reach every layer: hash-routed MoE layers choose their experts by them, n-gram
     embeddings (`ple`) hash them.
 
@@ -334,27 +333,28 @@ class Decoder(nnx.Module):
     embed = nnx.split(self.embed_tokens) if x is None else None
 
     def run_block(graphdefs, owns_indexer, x, indices, states):
-      """Consecutive layers: (x, indices, their indexer losses, their expert loads)."""
-      losses, loads = [], []
+      """Consecutive layers: (x, indices, their indexer losses, their expert loads, their rows rescued)."""
+      losses, loads, rescued = [], [], []
       for graphdef, owns, state in zip(graphdefs, owns_indexer, states, strict=True):
         if x is None:  # the first layer, embedding the tokens itself
-          x, layer_indices, indexer_loss, load = run_first((embed[0], graphdef), (embed[1], state), embed_tokens,
-                                                           positions, segment_ids, indices, token_ids)
+          x, layer_indices, indexer_loss, load, layer_rescued = run_first(
+              (embed[0], graphdef), (embed[1], state), embed_tokens, positions, segment_ids, indices, token_ids)
         else:
           # Between layers the activations are split over batch and sequence, whole in D: FSDP gathers
           # the weights rather than splitting the activations' width.
           x = shd.shard(x, activation_axes)
-          x, layer_indices, indexer_loss, load = run_layer(graphdef, state, x, positions, segment_ids, indices,
-                                                           token_ids)
+          x, layer_indices, indexer_loss, load, layer_rescued = run_layer(graphdef, state, x, positions,
+                                                                          segment_ids, indices, token_ids)
         if owns:
           indices = layer_indices
         losses += [] if indexer_loss is None else [indexer_loss]
         loads += [] if load is None else [load]
-      return x, indices, losses, loads
+        rescued += [] if layer_rescued is None else [layer_rescued]
+      return x, indices, losses, loads, rescued
 
     layers = list(self.layers)
     graphs = [nnx.split(layer) for layer in layers]
-    indices, indexer_losses, loads = None, [], []
+    indices, indexer_losses, loads, rescued = None, [], [], []
     for start, period, repeats, direct in self.layer_runs(graphs):
       if x is None and not direct:  # the first layer is scanned: embed the tokens here
         x = self.embed_tokens(embed_tokens)
@@ -362,25 +362,28 @@ class Decoder(nnx.Module):
       owns_indexer = [layer.self_attn.indexer is not None for layer in layers[start:start + period]]
       states = [state for _, state in graphs[start:start + period * repeats]]
       for r in range(direct):
-        x, indices, block_losses, block_loads = run_block(graphdefs, owns_indexer, x, indices,
-                                                          states[r * period:(r + 1) * period])
+        x, indices, block_losses, block_loads, block_rescued = run_block(graphdefs, owns_indexer, x, indices,
+                                                                         states[r * period:(r + 1) * period])
         indexer_losses += block_losses
         loads += block_loads
+        rescued += block_rescued
       if repeats == direct:
         continue
       rest = states[direct * period:]
       stacked = [jax.tree.map(lambda *a: jnp.stack(a), *rest[j::period]) for j in range(period)]
 
       def body(carry, block_states, graphdefs=graphdefs, owns_indexer=owns_indexer):
-        x, indices, block_losses, block_loads = run_block(graphdefs, owns_indexer, *carry, block_states)
-        return (x, indices), (block_losses, block_loads)
+        x, indices, block_losses, block_loads, block_rescued = run_block(graphdefs, owns_indexer, *carry,
+                                                                         block_states)
+        return (x, indices), (block_losses, block_loads, block_rescued)
 
       with jax.named_scope(remat.LAYER_SCAN):
-        (x, indices), (scan_losses, scan_loads) = jax.lax.scan(body, (x, indices), stacked)
+        (x, indices), (scan_losses, scan_loads, scan_rescued) = jax.lax.scan(body, (x, indices), stacked)
       # [repeats, per block] -> layer order.
       indexer_losses += list(jnp.stack(scan_losses, 1).reshape(-1)) if scan_losses else []
       loads += list(jnp.stack(scan_loads, 1).reshape(-1, scan_loads[0].shape[-1])) if scan_loads else []
-    return x, indexer_losses, loads
+      rescued += [jnp.sum(jnp.stack(scan_rescued))] if scan_rescued else []
+    return x, indexer_losses, loads, rescued
 
   def _remat(self, run, T: int, dense: bool):
     """`run(graphdef, state, *arrays)` under jax.checkpoint with the config's remat policy."""
@@ -391,20 +394,22 @@ class Decoder(nnx.Module):
     return jax.checkpoint(run, policy=jax_policy, static_argnums=0)
 
   def _run_mtp(self, prev, mtp_tokens, positions, segment_ids, *, dense, backends):
-    """The MTP depths in order: (h [B, T, D] per depth, their indexer losses, their expert loads)."""
+    """The MTP depths in order: (h [B, T, D] per depth, their indexer losses, their expert loads, their rows
+    rescued)."""
     def run_depth(graphdef, state, prev, embedded, positions, segment_ids):
       return nnx.merge(graphdef, state)(prev, embedded, positions, segment_ids, dense=dense, backends=backends)
 
     run_depth = self._remat(run_depth, prev.shape[1], dense)
-    hidden, losses, loads = [], [], []
+    hidden, losses, loads, rescued = [], [], [], []
     for depth, layer in enumerate(self.mtp):
       graphdef, state = nnx.split(layer)
       embedded = self.embed_tokens(shift_left(mtp_tokens, depth))
-      prev, h, indexer_loss, load = run_depth(graphdef, state, prev, embedded, positions, segment_ids)
+      prev, h, indexer_loss, load, depth_rescued = run_depth(graphdef, state, prev, embedded, positions, segment_ids)
       hidden.append(h)
       losses += [] if indexer_loss is None else [indexer_loss]
       loads += [] if load is None else [load]
-    return hidden, losses, loads
+      rescued += [] if depth_rescued is None else [depth_rescued]
+    return hidden, losses, loads, rescued
 
   def hidden_states(
       self,
@@ -433,7 +438,8 @@ class Decoder(nnx.Module):
 
     Returns:
       (h [B, T, D] after the final collapse and norm, aux={"indexer_loss": f32[], "expert_load":
-      f32[n_moe, E]}). With `mtp_tokens`, aux["mtp_hidden"] holds each depth's h [B, T, D] (for
+      f32[n_moe, E], "topk_rescued_rows": i32[], the query rows (summed over layers) whose selection took
+      FlashTopK's slow exact path, present when a layer selected}). With `mtp_tokens`, aux["mtp_hidden"] holds each depth's h [B, T, D] (for
       `mtp_loss` or `logits`), and the MTP blocks' indexer losses and expert loads (last) are in
       the mean and the stack.
     """
@@ -449,8 +455,8 @@ class Decoder(nnx.Module):
       x = self.embed_tokens(tokens)
     if self.hc_head is not None:
       x, activation_axes = expand_streams(x, self.cfg.hc_mult), (shd.BATCH, shd.LENGTH, None, shd.ACT_EMBED)
-    x, indexer_losses, loads = self._run_layers(x, positions, segment_ids, activation_axes, dense=dense,
-                                                backends=backends, token_ids=tokens, embed_tokens=tokens)
+    x, indexer_losses, loads, rescued = self._run_layers(x, positions, segment_ids, activation_axes, dense=dense,
+                                                         backends=backends, token_ids=tokens, embed_tokens=tokens)
     streams = x
     if self.hc_head is not None:
       x = self.hc_head(x)
@@ -459,12 +465,14 @@ class Decoder(nnx.Module):
     aux = {}
     if mtp_tokens is not None and self.mtp is not None:
       prev = streams if self.mtp[0].streams_in else normed
-      aux["mtp_hidden"], mtp_losses, mtp_loads = self._run_mtp(prev, mtp_tokens, positions, segment_ids,
-                                                               dense=dense, backends=backends)
-      indexer_losses, loads = indexer_losses + mtp_losses, loads + mtp_loads
+      aux["mtp_hidden"], mtp_losses, mtp_loads, mtp_rescued = self._run_mtp(prev, mtp_tokens, positions, segment_ids,
+                                                                            dense=dense, backends=backends)
+      indexer_losses, loads, rescued = indexer_losses + mtp_losses, loads + mtp_loads, rescued + mtp_rescued
     aux["indexer_loss"] = jnp.mean(jnp.stack(indexer_losses)) if indexer_losses else jnp.float32(0)
     if loads:
       aux["expert_load"] = jnp.stack(loads)
+    if rescued:
+      aux["topk_rescued_rows"] = jnp.sum(jnp.stack(rescued))
     return x, aux
 
   def __call__(self, tokens: Int[Array, "B T"], **kwargs) -> ModelOutput:

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hyscale_jax import remat
+from hyscale_jax.models.residual import prenorm
 from hyscale_jax.ops._streaming import fresh_zeros
 
 
@@ -84,10 +85,8 @@ def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, b
     or None, expert loads f32[n, E] or None, the indexer loss's forward-pass gradient sums (f32
     [B, T, DI] for the index keys, and the indexer's `nnx.Param` state) or None, and with those the
     index keys [B, T, DI], whose cotangent (that gradient, applied by the caller) reaches the keys'
-    weights); n = T // chunk.
+    weights), rows rescued i32[n] per chunk or None (FlashTopK's slow-path rows); n = T // chunk.
   """
-  from hyscale_jax.models.decoder import _prenorm  # noqa: PLC0415 (decoder imports this module)
-
   graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
   cfg = layer.cfg
   B, T = x.shape[:2]
@@ -98,7 +97,7 @@ def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, b
   def keys_of(params, rest, rows, positions):
     """(k [B, c, 1, L+R], index_k [B, c, DI] or None) of input rows [B, c, D]."""
     layer = nnx.merge(graphdef, params, rest)
-    return layer.self_attn.keys(_prenorm(layer.input_layernorm, rows), positions)
+    return layer.self_attn.keys(prenorm(layer.input_layernorm, rows), positions)
 
   def all_keys(params, rest, x, positions):
     """The keys of all T rows, a chunk at a time, read from x in place (no chunk-major copy of x)."""
@@ -110,16 +109,16 @@ def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, b
 
   def rows_of(params, rest, keys, dtypes, rows, i, positions, segment_ids, indices, token_ids, *, replay):
     """Chunk i of the layer: (output rows [B, c, D], indexer loss or None, (indices, rows counted, load,
-    gradient sums)). `keys` may be f32 copies of keys of `dtypes`, cast back inside (so that their
-    cotangents are f32); `indices` are chunk i's shared indices, or with `replay` its selection."""
+    gradient sums, rows rescued)). `keys` may be f32 copies of keys of `dtypes`, cast back inside (so that
+    their cotangents are f32); `indices` are chunk i's shared indices, or with `replay` its selection."""
     layer = nnx.merge(graphdef, params, rest)
     keys_thunk = lambda: jax.tree.map(lambda a, d: a.astype(d), keys, dtypes)
     query_rows = layer.self_attn.query_rows(keys_thunk, segment_ids, backends, grads_out=grads_out and not replay,
                                             replay=replay)
-    out, indices, loss, rows_counted, grads = query_rows(_prenorm(layer.input_layernorm, rows), take(positions, i),
-                                                          take(segment_ids, i), i * chunk, indices)
-    rows, load = layer._ffn(rows + out, take(token_ids, i), backends)
-    return rows, loss, (indices, rows_counted, load, grads)
+    out, indices, loss, rows_counted, grads, rescued = query_rows(
+        prenorm(layer.input_layernorm, rows), take(positions, i), take(segment_ids, i), i * chunk, indices)
+    rows, load = layer.ffn(rows + out, take(token_ids, i), backends)
+    return rows, loss, (indices, rows_counted, load, grads, rescued)
 
   def forward(params, rest, x, positions, segment_ids, shared_indices, token_ids):
     keys = all_keys(params, rest, x, positions)
@@ -127,40 +126,41 @@ def chunked_layer(layer, x, positions, segment_ids, shared_indices, token_ids, b
     chunk_fn = lambda out, i: rows_of(params, rest, keys, dtypes, take(out, i), i, positions, segment_ids,
                                       take(shared_indices, i), token_ids, replay=False)
     probe = jax.eval_shape(lambda: chunk_fn(x, 0))
-    _, loss_shape, (sel_shape, count_shape, load_shape, grads_shape) = probe
+    _, loss_shape, (sel_shape, count_shape, load_shape, grads_shape, rescued_shape) = probe
     stacked = lambda s: None if s is None else jnp.zeros((n, *s.shape), s.dtype)
     carry = (x, fresh_zeros((B, T, sel_shape.shape[-1]), sel_shape.dtype, x), stacked(loss_shape),
              stacked(count_shape), stacked(load_shape),
-             jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), grads_shape))
+             jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), grads_shape), stacked(rescued_shape))
 
     def body(i, carry):
-      out, sel, losses, counts, loads, grad_sums = carry
-      rows, loss, (indices, rows_counted, load, grads) = chunk_fn(out, i)
+      out, sel, losses, counts, loads, grad_sums, rescued = carry
+      rows, loss, (indices, rows_counted, load, grads, chunk_rescued) = chunk_fn(out, i)
       at = lambda buf, value: None if buf is None else buf.at[i].set(value)
       if grads is not None:  # the gradients of the chunk's mean KL: its sum's are them times its rows
         grad_sums = jax.tree.map(lambda a, g: a + g * rows_counted.astype(jnp.float32), grad_sums, grads)
       return (put(out, rows, i), put(sel, indices.astype(sel.dtype), i), at(losses, loss), at(counts, rows_counted),
-              at(loads, load), grad_sums)
+              at(loads, load), grad_sums, at(rescued, chunk_rescued))
 
-    out, sel, losses, counts, loads, grad_sums = jax.lax.fori_loop(0, n, body, carry)
-    return out, sel, losses, counts, loads, grad_sums, keys[1] if grads_out else None
+    out, sel, losses, counts, loads, grad_sums, rescued = jax.lax.fori_loop(0, n, body, carry)
+    return out, sel, losses, counts, loads, grad_sums, keys[1] if grads_out else None, rescued
 
   @jax.custom_vjp
   def run(params, rest, x, positions, segment_ids, shared_indices, token_ids):
     return forward(params, rest, x, positions, segment_ids, shared_indices, token_ids)
 
   def run_fwd(params, rest, x, positions, segment_ids, shared_indices, token_ids):
-    out, selection, losses, counts, *rest_of_outs = forward(params, rest, x, positions, segment_ids, shared_indices,
-                                                            token_ids)
-    # The rows counted weigh the chunks' losses in the layer's mean, so its backward pass reads them:
-    # untagged, an enclosing checkpoint would rerun this whole forward loop to get them back.
-    selection, counts = remat.tag((selection, counts), remat.SELECTION)
-    outs = (out, selection, losses, counts, *rest_of_outs)
+    out, selection, losses, counts, *rest_of_outs, rescued = forward(params, rest, x, positions, segment_ids,
+                                                                     shared_indices, token_ids)
+    # The rows counted weigh the chunks' losses in the layer's mean, so its backward pass reads them, and
+    # the rows rescued are an output like them: untagged, an enclosing checkpoint would rerun this whole
+    # forward loop (selection included) to get them back.
+    selection, counts, rescued = remat.tag((selection, counts, rescued), remat.SELECTION)
+    outs = (out, selection, losses, counts, *rest_of_outs, rescued)
     return outs, (params, rest, x, positions, segment_ids, shared_indices, token_ids, selection)
 
   def run_bwd(residuals, cotangents):
     params, rest, x, positions, segment_ids, shared_indices, token_ids, selection = residuals
-    d_out, _, d_losses, *_, d_index_k = cotangents
+    d_out, _, d_losses, _, _, _, d_index_k, _ = cotangents
     keys = all_keys(params, rest, x, positions)
     dtypes = jax.tree.map(lambda a: a.dtype, keys)
     wide = jax.tree.map(lambda a: a.astype(jnp.float32), keys)

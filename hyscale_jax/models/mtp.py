@@ -96,7 +96,7 @@ class MTPLayer(nnx.Module):
 
     Returns:
       (what the next depth takes, h [B, T, D] for the LM head, indexer loss f32[] or None,
-      expert load f32[E] or None).
+      expert load f32[E] or None, rows rescued i32[] or None: as `DecoderLayer`'s).
     """
     if prev.ndim != (4 if self.streams_in else 3) or prev.shape[:2] != embedded.shape[:2]:
       raise ValueError(f"MTPLayer: prev {prev.shape} must be [B, T, {'N, ' if self.streams_in else ''}D] "
@@ -107,7 +107,7 @@ class MTPLayer(nnx.Module):
     x = self.eh_proj(jnp.concatenate([e, self.hnorm(prev).astype(e.dtype)], axis=-1))
     if self.n_streams and x.ndim == 3:
       x = expand_streams(x, self.n_streams)
-    x, _, indexer_loss, load = self.block(x, positions, segment_ids, dense=dense, backends=backends)
+    x, _, indexer_loss, load, rescued = self.block(x, positions, segment_ids, dense=dense, backends=backends)
     h = x if self.hc_head is None else self.hc_head(x)
     h = h if self.norm is None else self.norm(h)
-    return (x if self.streams_in else h), h, indexer_loss, load
+    return (x if self.streams_in else h), h, indexer_loss, load, rescued

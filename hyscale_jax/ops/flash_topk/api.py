@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from hyscale_jax import remat
 from hyscale_jax.ops import _checks, _context
@@ -19,7 +19,22 @@ REGISTRY = BackendRegistry(
     {"reference": flash_topk_reference, "xla_baseline": flash_topk_xla_baseline},
     auto_order={"gpu": ("pallas", "reference"), "default": ("reference",)},
 )
-REGISTRY.register_optional("pallas", "hyscale_jax.ops.flash_topk.pallas", "flash_topk_pallas")
+
+
+def _pallas_kernel(pallas, hopper):
+  """The main pass `Config.scorer` picks (`Config.scores_on_mosaic`); the threshold, finish and rescue are
+  the same either way."""
+  config = pallas.Config()
+  if config.scorer == "triton" or (config.scorer == "auto" and hopper is False):
+    return "Triton"
+  if config.scorer == "mosaic":
+    return "Mosaic GPU main pass where the inputs allow (bf16, no key scales), Triton otherwise"
+  keys = f"{config.mosaic_min_keys // 1024}K keys"
+  return (f"Mosaic GPU main pass from {keys}, Triton below" if hopper
+          else f"Mosaic GPU main pass from {keys} on Hopper, Triton below and elsewhere")
+
+
+REGISTRY.register_optional("pallas", "hyscale_jax.ops.flash_topk.pallas", "flash_topk_pallas", kernel=_pallas_kernel)
 
 
 class TopK(NamedTuple):
@@ -43,7 +58,8 @@ def flash_topk(
     k_scale: Float[Array, "B Tk"] | None = None,
     backend: Backend = "auto",
     sorted: bool = True,  # noqa: A002 - torch.topk's name for the same switch
-) -> TopK:
+    with_stats: bool = False,
+) -> TopK | tuple[TopK, Bool[Array, "B Tq"]]:
   """Exact top-k of `score[b,t,s] = scale * sum_h weights[b,t,h] * relu(<q[b,t,h], k[b,s]>)`.
 
   Under a mesh with a `context` axis (`jax.set_mesh`), the query rows are split over it and the
@@ -54,7 +70,8 @@ def flash_topk(
   The result lists the `topk` greatest visible keys under "score descending, then index ascending",
   in that order (with `sorted=False`, the same entries in an order of the backend's choosing).
   Products accumulate in f32 and the head sum is f32. The outputs carry no gradient; they are
-  tagged `remat.SELECTION`, so the `"selection_replay"` remat policy saves them.
+  tagged `remat.SELECTION` (with `with_stats`, the rescued rows too), so the `"selection_replay"` remat
+  policy saves them.
 
   fp8 (DeepSeek-V3.2's indexer): q and k in float8_e4m3fn, with their scales from `quantize_fp8`.
   The score is then the f32 function
@@ -78,8 +95,8 @@ def flash_topk(
     backend: "auto", "pallas", "reference" or "xla_baseline".
     sorted: list the entries in the order above (True), or leave them in an order the backend finds
       cheapest (False): deterministic for one backend and input, the empty slots (-1) still last.
-      The Pallas backend then skips sorting each row's winners (2-3 ms of about 12 at T 16K on the
-      H200, bench/NOTES.md); the reference backends return the sorted order. DSA's consumers (sparse
+      The Pallas backend then skips sorting each row's winners (docs/kernels/flash_topk.md says
+      what that saves); the reference backends return the sorted order. DSA's consumers (sparse
       attention, the indexer KL, IndexShare) treat the selection as a set, so the layers ask for this.
 
   Returns:
@@ -93,17 +110,26 @@ def flash_topk(
   _check_args(q, k, weights, topk, compress_ratio, q_offset, segment_ids, scale)
   _check_fp8(q, k, q_scale, k_scale)
   names = REGISTRY.candidates(backend)
-  indices, scores = _flash_topk(
+  indices, scores, rescued = _flash_topk(
       q, k, weights, jnp.asarray(q_offset, jnp.int32), segment_ids, q_scale, k_scale,
       topk=int(topk), compress_ratio=int(compress_ratio), scale=float(scale), names=names, by_score=bool(sorted),
+      with_stats=bool(with_stats),
   )
-  return TopK(*remat.tag((indices, scores), remat.SELECTION))
+  selection = TopK(*remat.tag((indices, scores), remat.SELECTION))
+  if not with_stats:
+    return selection
+  if rescued is None:  # a backend without a fallback: made here, outside the selection's equation, so that a
+    # loop over query chunks does not hoist a constant copy of that equation out of itself
+    return selection, jnp.zeros(q.shape[:2], bool)
+  # Saved with the selection: a remat that needed it again would otherwise rerun the selection.
+  return selection, remat.tag(rescued, remat.SELECTION)
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "compress_ratio", "scale", "names", "by_score"))
+@functools.partial(jax.jit, static_argnames=("topk", "compress_ratio", "scale", "names", "by_score", "with_stats"))
 def _flash_topk(q, k, weights, q_offset, segment_ids, q_scale, k_scale, *, topk, compress_ratio, scale,
-                names, by_score):
-  """The single jaxpr equation (named `_flash_topk`) that tools count as one selection."""
+                names, by_score, with_stats):
+  """The single jaxpr equation (named `_flash_topk`) that tools count as one selection: (indices, scores,
+  rescued bool[B, Tq] or None: not asked for, or a backend without a fallback)."""
   q, k, weights, q_scale, k_scale = jax.lax.stop_gradient((q, k, weights, q_scale, k_scale))
   weights = fold_q_scale(weights, q_scale)  # backends see q's scales only through the head weights
   q_seg, kv_seg = segment_ids if segment_ids is not None else (None, None)
@@ -113,16 +139,25 @@ def _flash_topk(q, k, weights, q_offset, segment_ids, q_scale, k_scale, *, topk,
     return REGISTRY.run(
         names, q, k, weights, topk=topk, compress_ratio=compress_ratio, q_offset=q_offset + row_offset,
         segment_ids=None if q_seg is None else (q_seg, kv_seg), scale=scale, k_scale=k_scale, sorted=by_score,
+        **({"with_stats": True} if with_stats else {}),
     )
 
   mesh = _context.context_mesh()
   if mesh is None:
-    indices, scores = select(0, (q, weights, q_seg), (k, kv_seg, k_scale), (q_offset,))
+    indices, scores, *rescued = select(0, (q, weights, q_seg), (k, kv_seg, k_scale), (q_offset,))
   else:  # context parallelism: this device's query rows against all-gathered keys
-    indices, scores = _context.run_sequence_sharded(
-        select, mesh, sharded=(q, weights, q_seg), gathered=(k, kv_seg, k_scale), replicated=(q_offset,),
-        n_out=2)
-  return indices, jax.lax.stop_gradient(scores)
+    indices, scores, *rescued = _context.run_sequence_sharded(
+        _rescued_as_array(select) if with_stats else select, mesh, sharded=(q, weights, q_seg), gathered=(k, kv_seg, k_scale), replicated=(q_offset,),
+        n_out=3 if with_stats else 2)
+  return indices, jax.lax.stop_gradient(scores), rescued[0] if with_stats else None
+
+
+def _rescued_as_array(select):
+  """`select` with a backend's None rescued rows (no fallback) as all False: a shard_map returns arrays."""
+  def run(*args):
+    indices, scores, rescued = select(*args)
+    return indices, scores, jnp.zeros(indices.shape[:2], bool) if rescued is None else rescued
+  return run
 
 
 def _check_args(q, k, weights, topk, compress_ratio, q_offset, segment_ids, scale):

@@ -43,7 +43,7 @@ from pallas_kernels.flash_topk import mosaic_pass
 
 def flash_topk_pallas(q, k, weights, *, topk, compress_ratio=1, q_offset=0, segment_ids=None,
                       scale=1.0, k_scale=None, config: Config | None = None, interpret: bool | None = None,
-                      sorted: bool = True):  # noqa: A002 - the op's name
+                      sorted: bool = True, with_stats: bool = False):  # noqa: A002 - the op's name
   """Exact top-k as `ops.flash_topk` defines it, with the Pallas main pass.
 
   Args:
@@ -55,14 +55,16 @@ def flash_topk_pallas(q, k, weights, *, topk, compress_ratio=1, q_offset=0, segm
     k_scale: f32[B, Tk] or None: fp8 k's per-key scales.
     config: `pallas_kernels.flash_topk.Config`; None = the defaults.
     interpret: run the kernel in Pallas interpret mode; None = whenever JAX's backend is not a GPU.
+    with_stats: also return which rows took the rescue (step 4 of the module docstring).
 
   Returns:
-    (indices i32[B, Tq, topk], scores f32[B, Tq, topk]); empty slots hold (-1, -inf).
+    (indices i32[B, Tq, topk], scores f32[B, Tq, topk]); empty slots hold (-1, -inf). With `with_stats`,
+    also rescued bool[B, Tq]: the rows the main pass could not prove exact, recomputed by the reference.
   """
-  indices, scores, _ = _run(q, k, weights, topk=topk, compress_ratio=compress_ratio,
-                            q_offset=q_offset, segment_ids=segment_ids, scale=scale, k_scale=k_scale,
-                            config=config, interpret=interpret, by_score=sorted)
-  return indices, scores
+  indices, scores, stats = _run(q, k, weights, topk=topk, compress_ratio=compress_ratio,
+                                q_offset=q_offset, segment_ids=segment_ids, scale=scale, k_scale=k_scale,
+                                config=config, interpret=interpret, by_score=sorted)
+  return (indices, scores, stats["rescued_rows"]) if with_stats else (indices, scores)
 
 
 def flash_topk_pallas_with_stats(q, k, weights, *, topk, compress_ratio=1, q_offset=0,
@@ -72,8 +74,9 @@ def flash_topk_pallas_with_stats(q, k, weights, *, topk, compress_ratio=1, q_off
 
   Returns:
     (indices, scores, stats) where stats is a dict: `rows` (B * Tq); `rescued` (i32: rows the main
-    pass could not prove exact, which the reference recomputed); `candidates_per_row` (f32: mean
-    keys kept above the threshold; the threshold aims at `oversample * topk`).
+    pass could not prove exact, which the reference recomputed); `rescued_rows` (bool[B, Tq]: which);
+    `candidates_per_row` (f32: mean keys kept above the threshold; the threshold aims at
+    `oversample * topk`).
   """
   return _run(q, k, weights, topk=topk, compress_ratio=compress_ratio, q_offset=q_offset,
               segment_ids=segment_ids, scale=scale, k_scale=k_scale, config=config, interpret=interpret,
@@ -131,7 +134,7 @@ def _select(q, k, weights, q_offset, q_seg, kv_seg, k_scale, *, topk, compress_r
   indices, scores = _rescue(indices, scores, exact, q, k, weights, q_offset, q_seg, kv_seg, k_scale,
                             topk=topk, compress_ratio=compress_ratio, scale=scale,
                             rows_per_step=config.rescue_rows)
-  stats = dict(rows=B * Tq, rescued=jnp.sum(~exact, dtype=jnp.int32),
+  stats = dict(rows=B * Tq, rescued=jnp.sum(~exact, dtype=jnp.int32), rescued_rows=~exact,
                candidates_per_row=jnp.mean(n_above.astype(jnp.float32)))
   return indices, scores, stats
 
@@ -187,8 +190,8 @@ def sort_winners(scores, indices, n):
 
   Descending scores become ascending u32 keys (the empty places the largest): a plain integer
   compare. A row's winners are distinct keys, so (key, index) pairs are unique and an unstable
-  two-key sort gives the stable order, at 0.71x the time of a stable one-key sort, which XLA runs
-  with an extra iota operand (bench/NOTES.md).
+  two-key sort gives the stable order, in less time than a stable one-key sort, which XLA runs
+  with an extra iota operand (docs/kernels/flash_topk.md).
   """
   kept = jnp.arange(scores.shape[-1]) < n[:, None]
   key = jnp.where(kept, ~ordered_bits(scores), jnp.uint32(0xFFFFFFFF))

@@ -174,6 +174,7 @@ def flash_topk_reference(
     query_block: int = 64,
     key_chunk: int | None = None,
     sorted: bool = True,  # noqa: A002 - the op's name
+    with_stats: bool = False,
 ) -> tuple[Int[Array, "B Tq topk"], Float[Array, "B Tq topk"]]:
   """Exact streaming top-k: query blocks x key chunks with a running (score desc, index asc) merge.
 
@@ -185,7 +186,8 @@ def flash_topk_reference(
   `k_scale` (the fp8 path) multiplies each key's head sum as `index_scores` says.
 
   Returns:
-    (indices i32[B, Tq, topk], scores f32[B, Tq, topk]); empty slots hold (-1, -inf).
+    (indices i32[B, Tq, topk], scores f32[B, Tq, topk]); empty slots hold (-1, -inf). With `with_stats`,
+    also None for the rescued rows: this path has no fallback to take.
   """
   del sorted
   Tq, Tk = q.shape[1], k.shape[1]
@@ -208,7 +210,8 @@ def flash_topk_reference(
       None if q_seg is None else st.to_blocks(q_seg, 1, bq),
   )
   idx, scores = jax.lax.map(query_block_topk, xs)
-  return st.from_blocks(idx, 1, Tq), st.from_blocks(scores, 1, Tq)
+  idx, scores = st.from_blocks(idx, 1, Tq), st.from_blocks(scores, 1, Tq)
+  return (idx, scores, None) if with_stats else (idx, scores)
 
 
 def flash_topk_xla_baseline(
@@ -225,12 +228,13 @@ def flash_topk_xla_baseline(
     query_rows: int | None = None,
     bytes_budget: int = 1 << 31,
     sorted: bool = True,  # noqa: A002 - the op's name
+    with_stats: bool = False,
 ) -> tuple[Int[Array, "B Tq topk"], Float[Array, "B Tq topk"]]:
   """The baseline we beat: materialize full score rows, then `lax.top_k` (sorted, whatever `sorted` says).
 
   Rows are processed `query_rows` at a time (by default as many as fit `bytes_budget` of the
   [rows, H, Tk] f32 intermediate), like Megatron's row-chunked indexer; each chunk's [rows, Tk]
-  score table is written out in full before selection.
+  score table is written out in full before selection. `with_stats`: as `flash_topk_reference`.
   """
   del sorted
   B, Tq, H, _ = q.shape
@@ -264,4 +268,5 @@ def flash_topk_xla_baseline(
       None if q_seg is None else st.to_blocks(q_seg, 1, query_rows),
   )
   idx, scores = jax.lax.map(rows_topk, xs)
-  return st.from_blocks(idx, 1, Tq), st.from_blocks(scores, 1, Tq)
+  idx, scores = st.from_blocks(idx, 1, Tq), st.from_blocks(scores, 1, Tq)
+  return (idx, scores, None) if with_stats else (idx, scores)
