@@ -77,6 +77,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.steps = 100
   # Log metrics every this many steps.
   config.train.log_every = 10
+  # Validation loss every this many steps, at a logged step, and at the last step (0: at every log).
+  config.train.eval_every = 0
+  # Steps (1-based) to trace with jax.profiler into <workdir>/profile/step_<N> (XProf / TensorBoard's
+  # profile plugin; `python -m bench.profile_ops` sums a trace's device time per op and compares two).
+  config.train.profile_steps = ()
+  # The device's dense bf16 peak in TFLOP/s for the logged `mfu` (0: from the table of device kinds in
+  # hyscale_jax/training/flops.py; no `mfu` where the kind is unknown, e.g. on a CPU).
+  config.train.peak_tflops = 0.0
   # Save a checkpoint every this many steps (and at the end); 0 saves none.
   config.train.checkpoint_every = 50
   # Show a progress bar on stderr (on an interactive terminal; plain log lines otherwise).
@@ -115,13 +123,15 @@ def two_stage_lm(name: str, variant: str, full: dict, tiny: dict, *, full_seq_le
     model.update(tiny)
   config = get_config()
   config.task = "lm"
-  config.model = ml_collections.ConfigDict(
-      {k: list(v) if isinstance(v, tuple) else v for k, v in model.items()})
+  # Tuple fields stay tuples: the command line overrides tuples (`--config.model.compress_ratios="(0,4)"`),
+  # not lists.
+  config.model = ml_collections.ConfigDict(model)
 
   # "shakespeare" or "pydoc" (bundled, with a BPE of data.vocab_size trained on them), or the user's own
   # corpus (hyscale_jax/training/file_data.py): "jsonl" (data.path, tokenized with data.tokenizer) or
   # "tokens" (data.path: .npy or flat data.token_dtype binary; data.offsets: i64[D + 1] document bounds).
-  config.data.source = "shakespeare"
+  # "": "jsonl" or "tokens" by data.path's suffix (.jsonl/.json, .npy/.bin), "shakespeare" without a path.
+  config.data.source = ""
   config.data.vocab_size = config.model.vocab_size
   config.data.seq_len = 256 if is_tiny else full_seq_len
   config.data.batch_size = 8 if is_tiny else 1

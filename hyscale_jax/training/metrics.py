@@ -27,9 +27,8 @@ class MetricWriter:
       return row
     with open(self.path, "a") as f:
       f.write(json.dumps(row) + "\n")
-    line = f"step {step}: " + " ".join(f"{k}={v:.5g}" for k, v in row.items() if k != "step")
-    logging.info(line)
-    tqdm.write(line)  # prints above an active progress bar without breaking it
+    logging.info("step %d: %s", step, " ".join(f"{k}={v:.5g}" for k, v in row.items() if k != "step"))
+    tqdm.write(summary_line(row))  # prints above an active progress bar without breaking it
     return row
 
   def read(self) -> list[dict]:
@@ -37,3 +36,25 @@ class MetricWriter:
       return []
     with open(self.path) as f:
       return [json.loads(line) for line in f if line.strip()]
+
+
+def summary_line(row: dict) -> str:
+  """The console's line for a metrics row: the losses and the speed (metrics.jsonl keeps every field); a
+  row without a `loss` (another task's) lists its fields."""
+  if "loss" not in row:
+    return f"step {row['step']}: " + " ".join(f"{k}={v:.5g}" for k, v in row.items() if k != "step")
+  parts = [f"step {row['step']}: loss {row['loss']:.4f}"]
+  if "lm_loss" in row and "indexer_loss" in row:
+    parts[0] += f" (lm {row['lm_loss']:.4f}, indexer KL {row['indexer_loss']:.4f})"
+  if "val_lm_loss" in row:
+    parts.append(f"validation {row['val_lm_loss']:.4f}")
+  if "step_time_s" in row:
+    speed = f"{row['step_time_s']:.3g} s/step"
+    if "tokens_per_sec" in row:
+      speed += f", {row['tokens_per_sec']:,.0f} tokens/s"
+    if "mfu" in row:
+      speed += f", MFU {100 * row['mfu']:.1f}%"
+    parts.append(speed)
+  if row.get("skipped_steps"):
+    parts.append(f"{int(row['skipped_steps'])} skipped")
+  return "; ".join(parts)
