@@ -244,14 +244,14 @@ def test_fine_tune_an_imported_checkpoint_on_own_jsonl(tmp_path, corpus, caplog)
   assert "this run reads jsonl other.jsonl (30 documents" in caplog.text
 
 
-def test_tokenization_logs_progress_and_fingerprints_name_the_corpus(corpus, tmp_path, monkeypatch, caplog):
+def test_tokenization_prints_progress_and_fingerprints_name_the_corpus(corpus, tmp_path, monkeypatch, capsys):
+  """Tokenizing tells the user how far it is (plain lines at the default verbosity, no terminal here)."""
   folder, _, tokenizer_path = corpus
   (tmp_path / "corpus.jsonl").write_text((folder / "corpus.jsonl").read_text())
   monkeypatch.setattr(file_data, "_ENCODE_BATCH", 8)
   monkeypatch.setattr(file_data, "_PROGRESS_EVERY_S", 0.0)
-  with caplog.at_level(logging.INFO, logger="hyscale_jax.training.file_data"):
-    ds = _jsonl(tmp_path, tokenizer_path)
-  progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenizing corpus.jsonl: ")]
+  ds = _jsonl(tmp_path, tokenizer_path)
+  progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tokenizing corpus.jsonl: ")]
   percents = [int(m.split(": ")[1].split("%")[0]) for m in progress]
   assert len(progress) == 5 and percents == sorted(percents) and "(40 documents" in progress[-1], progress
   assert ds.fingerprint == f"jsonl corpus.jsonl (40 documents, {len(ds.tokens)} tokens, {ds.num_rows} rows of 48)"

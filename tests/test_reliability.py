@@ -74,7 +74,10 @@ def test_no_readable_checkpoint_is_a_clear_error(tmp_path):
   workdir = tmp_path / "run"
   lm.train_and_evaluate(_config(tmp_path, 3), str(workdir))
   config = _config(tmp_path, 6)
-  config.model.d_model = 48  # a different model: no checkpoint matches
+  config.model.d_model = 48  # a different model: the workdir's config.json names the difference
+  with pytest.raises(ValueError, match=r"holds checkpoints of another model \(model.d_model: 32 in the workdir, 48"):
+    lm.train_and_evaluate(config, str(workdir))
+  (workdir / "config.json").unlink()  # without it, no checkpoint reads with this model
   with pytest.raises(CheckpointError, match="no checkpoint"):
     lm.train_and_evaluate(config, str(workdir))
   assert (workdir / "checkpoints" / "3").is_dir()

@@ -18,6 +18,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 
+# The checkpoints' folder inside a train.py workdir.
+CHECKPOINTS = "checkpoints"
+
+
 class CheckpointError(RuntimeError):
   """A checkpoint could not be written, or no checkpoint could be read."""
 
@@ -65,6 +69,29 @@ class Checkpointer:
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """The steps of the complete checkpoints, oldest first (a save killed midway is not one)."""
+    return sorted(self._manager.all_steps())
+
+  def restore_step(self, abstract_state: Any, step: int) -> tuple[int, Any, dict]:
+    """(step, state, metadata) of the checkpoint of `step`.
+
+    Raises:
+      FileNotFoundError: there is no complete checkpoint of `step` (the message lists those there are).
+      CheckpointError: it does not read (for example with another model's config).
+    """
+    steps = self.all_steps()
+    if step not in steps:
+      raise FileNotFoundError(f"{self.directory} has no checkpoint of step {step}; its checkpoints are of steps "
+                              f"{steps}.")
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+    try:
+      restored = self._manager.restore(
+          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    except Exception as e:  # a truncated or corrupted file surfaces as many exception types
+      raise CheckpointError(f"checkpoint step {step} in {self.directory} does not read: {e}") from e
+    return step, restored["state"], dict(restored["meta"])
 
   def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
     """(step, state, metadata) of the newest checkpoint that reads, or None when there is none.
@@ -115,6 +142,17 @@ class Checkpointer:
 
   def close(self):
     self._manager.close()
+
+
+def saved_steps(directory: str) -> list[int]:
+  """`Checkpointer.all_steps` of `directory`, [] (and nothing created) when there is no such folder."""
+  if not os.path.isdir(directory):
+    return []
+  checkpointer = Checkpointer(directory, every_steps=0)
+  try:
+    return checkpointer.all_steps()
+  finally:
+    checkpointer.close()
 
 
 def _sync_processes(name: str) -> None:

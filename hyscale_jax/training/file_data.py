@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hyscale_jax.training import text_data
+from hyscale_jax.training import console, text_data
 
 if TYPE_CHECKING:
   import tokenizers
@@ -250,7 +250,7 @@ def _tokenize_into(path: pathlib.Path, out: pathlib.Path, tokenizer, text_field:
     from tqdm import tqdm  # noqa: PLC0415
 
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing {path.name}")
-  log.info("tokenizing %s (%.1f MB) into %s", path, total / 1e6, out)
+  console.say(f"tokenizing {path} ({total / 1e6:.1f} MB, once; cached in {out})")
 
   def flush(f):
     for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
@@ -286,8 +286,8 @@ def _tokenize_into(path: pathlib.Path, out: pathlib.Path, tokenizer, text_field:
           bar.n = src.tell()
           bar.refresh()
         elif now - last_report >= _PROGRESS_EVERY_S:
-          log.info("tokenizing %s: %.0f%% (%d documents, %.0f s)", path.name, 100 * src.tell() / total,
-                   len(lengths), now - start)
+          console.say(f"tokenizing {path.name}: {100 * src.tell() / total:.0f}% ({len(lengths)} documents, "
+                      f"{now - start:.0f} s)")
           last_report = now
     flush(f)
     f.flush()
@@ -405,23 +405,56 @@ class FileTextDataset(text_data.PackedRows):
     return text_data.packed_rows(self._plan, rows, self._piece, self.seq_len, self._eos_id)
 
 
+# What a `data.path` suffix says the file holds, for `data.source` "" (inferred).
+SOURCE_BY_SUFFIX = {".jsonl": "jsonl", ".json": "jsonl", ".npy": "tokens", ".bin": "tokens"}
+
+
+def resolve_source(data) -> str:
+  """`data.source`, or for "" the source `data.path`'s suffix names (no path: the bundled "shakespeare").
+
+  Raises:
+    ValueError: a bundled corpus named together with `data.path` or `data.tokenizer`, which it would not
+      read (training would silently run on the bundled text); a path whose suffix names no source.
+  """
+  source, path, tokenizer = data.get("source", ""), data.get("path", ""), data.get("tokenizer", "")
+  if source in text_data.SOURCES and (path or tokenizer):
+    given = " and ".join(f"data.{k}={v!r}" for k, v in (("path", path), ("tokenizer", tokenizer)) if v)
+    raise ValueError(f"{given} is set, but data.source={source!r} reads the bundled corpus, not your file. Set "
+                     f"data.source to one of {FILE_SOURCES} (or to '' to infer it from the path's suffix), or "
+                     f"unset {given.split('=')[0]}.")
+  if source:
+    return source
+  if not path:
+    if tokenizer:
+      raise ValueError(f"data.tokenizer={tokenizer!r} is set but data.path is not: set data.path to your corpus "
+                       "(.jsonl, or tokens in .npy/.bin), or unset data.tokenizer to train on the bundled text.")
+    return "shakespeare"
+  suffix = pathlib.Path(path).suffix.lower()
+  if suffix not in SOURCE_BY_SUFFIX:
+    raise ValueError(f"data.path={path!r}: cannot tell its format from the suffix {suffix!r} (known: "
+                     f"{sorted(SOURCE_BY_SUFFIX)}); set data.source to one of {FILE_SOURCES}.")
+  return SOURCE_BY_SUFFIX[suffix]
+
+
 def open_dataset(data, *, model_vocab_size: int, seed: int, split: str = "train") -> text_data.PackedRows:
-  """The dataset of `config.data`: a bundled corpus (`text_data.SOURCES`) or the user's file (`FILE_SOURCES`).
+  """The dataset of `config.data`: a bundled corpus (`text_data.SOURCES`) or the user's file (`FILE_SOURCES`);
+  `data.source` "" is inferred (`resolve_source`).
 
   Raises:
     ValueError: an unknown `data.source`, or a bad setting or file of it (named).
   """
+  source = resolve_source(data)
   common = dict(seq_len=data.seq_len, batch_size=data.batch_size, seed=seed, split=split)
-  if data.source in text_data.SOURCES:
-    dataset = text_data.PackedTextDataset(source=data.source, vocab_size=data.vocab_size,
+  if source in text_data.SOURCES:
+    dataset = text_data.PackedTextDataset(source=source, vocab_size=data.vocab_size,
                                           cache_dir=data.get("cache_dir") or None, **common)
     if dataset.vocab_size > model_vocab_size:
       raise ValueError(f"the tokenizer has {dataset.vocab_size} tokens > model.vocab_size={model_vocab_size}.")
     return dataset
-  if data.source in FILE_SOURCES:
+  if source in FILE_SOURCES:
     return FileTextDataset(
-        source=data.source, path=data.get("path", ""), vocab_size=model_vocab_size,
+        source=source, path=data.get("path", ""), vocab_size=model_vocab_size,
         tokenizer=data.get("tokenizer", ""), text_field=data.get("text_field", "text"),
         offsets=data.get("offsets", ""), token_dtype=data.get("token_dtype", "uint16"),
         eos_id=data.get("eos_id", -1), eos_token=data.get("eos_token", ""), **common)
-  raise ValueError(f"data.source={data.source!r} is not one of {text_data.SOURCES + FILE_SOURCES}.")
+  raise ValueError(f"data.source={source!r} is not one of {text_data.SOURCES + FILE_SOURCES} (or '': inferred).")

