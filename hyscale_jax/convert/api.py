@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 from typing import Callable
 
 import jax
@@ -17,12 +18,14 @@ from hyscale_jax.convert import hf_config
 from hyscale_jax.convert.names import TensorRule, constant_tensors, mtp_depths_present, tensor_rules
 from hyscale_jax.convert.safetensors_dir import CheckpointReader, CheckpointWriter
 from hyscale_jax.layers.moe import RouterBias, RoutingTable
-from hyscale_jax.model_config import PROVENANCE_FIELDS, ModelConfig
+from hyscale_jax.model_config import ModelConfig
 
 # What a checkpoint holds: the parameters, the MoE router bias (moved by load, not by gradients) and the
 # hash-routing tables (fixed).
 CHECKPOINT_VARIABLES = nnx.Any(nnx.Param, RouterBias, RoutingTable)
 ShardingSpec = jax.sharding.Sharding | Callable[[tuple, tuple[int, ...]], jax.sharding.Sharding] | None
+# A checkpoint folder's tokenizer: what `import` copies into our folder and `export` into the Hugging Face one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 class CheckpointMismatchError(ValueError):
@@ -116,19 +119,36 @@ def load_weights(model: nnx.Module, directory: str, *, sharding: ShardingSpec = 
   return len(expected)
 
 
+def abstract_model(cfg: ModelConfig) -> nnx.Module:
+  """The model of `cfg` built abstractly (`nnx.eval_shape`: shapes and dtypes, nothing allocated), to load into.
+
+  Built without the ambient mesh: under train.py's mesh and logical axis rules, flax would turn each
+  parameter's logical names into a PartitionSpec by its own rules, which map `embed` and `q_lora` both
+  to `fsdp` in `q_a_proj` (P('fsdp', 'fsdp'): a DuplicateSpecError). The loader's `sharding` places the
+  arrays instead, and train.py's `state_shardings` (one mesh axis per array, sharding.py) after it.
+  """
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+    return nnx.eval_shape(lambda: models.build(cfg, rngs=nnx.Rngs(0)))
+
+
 def import_checkpoint(directory: str, *, sharding: ShardingSpec = None, **overrides) -> nnx.Module:
   """Our model for a Hugging Face checkpoint folder: config from config.json, weights streamed in.
 
-  The model is first built abstractly (`nnx.eval_shape`, nothing allocated), so the random
-  initialisation never occupies memory next to the loaded weights.
+  The model is first built abstractly (`abstract_model`), so the random initialisation never occupies
+  memory next to the loaded weights.
   """
-  cfg = read_config(directory, **overrides)
-  # Without an ambient mesh: flax would otherwise turn the parameters' logical names into mesh
-  # shardings here by its own rules; `sharding` (or the caller's `state_shardings`) places them.
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-    model = nnx.eval_shape(lambda: models.build(cfg, rngs=nnx.Rngs(0)))
+  model = abstract_model(read_config(directory, **overrides))
   load_weights(model, directory, sharding=sharding)
   return model
+
+
+def copy_tokenizer(source: str, target: str) -> list[str]:
+  """Copies the `TOKENIZER_FILES` that `source` holds into `target`; returns their names (none: [])."""
+  names = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+  os.makedirs(target, exist_ok=True)
+  for name in names:
+    shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
+  return names
 
 
 def export_checkpoint(model: nnx.Module, directory: str, *, max_shard_bytes: int = 2 << 30) -> int:
@@ -157,9 +177,3 @@ def config_mismatches(imported: ModelConfig, configured: ModelConfig) -> dict[st
   """Architectural fields where a checkpoint's config and the run's config differ: name -> (ckpt, run)."""
   a, b = hf_config.architectural_fields(imported), hf_config.architectural_fields(configured)
   return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
-
-
-def model_config_dict(cfg: ModelConfig) -> dict:
-  """`cfg` as the plain dict `--config.model.*` overrides take (tuples as lists; not `hf_config`)."""
-  return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()
-          if k not in PROVENANCE_FIELDS}

@@ -418,6 +418,18 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
   return _overlay(base, ours)
 
 
+def checkpoint_fields(cfg: ModelConfig) -> dict[str, Any]:
+  """The fields of `cfg` that its architecture's config.json sets (what `from_hf` reads, MTP depth included),
+  in `ModelConfig`'s order: `ModelConfig(**checkpoint_fields(cfg))` is `cfg` up to the execution and
+  provenance fields, since every other field is one the architecture leaves at its default.
+
+  Raises:
+    UnsupportedConfigError: as `to_hf`, for a config transformers cannot express.
+  """
+  names = {*_FROM_HF[cfg.architecture](to_hf(cfg), _Problems(cfg.architecture)), "mtp_depth"}
+  return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in names}
+
+
 def original_hf(cfg: ModelConfig) -> dict[str, Any]:
   """The config.json `cfg` was imported from ({} if none)."""
   return json.loads(cfg.hf_config) if cfg.hf_config else {}

@@ -1,7 +1,8 @@
 """Our own checkpoint folder for an imported model: `model_config.json` plus the parameters with orbax.
 
-`python -m hyscale_jax.convert import` writes one; `export` and `train.py --config.init_from=DIR`
-read one (or a Hugging Face folder directly).
+`python -m hyscale_jax.convert import` writes one, with the checkpoint's tokenizer and a train.py
+`config.py` (convert/train_config.py); `export` and `train.py --config.init_from=DIR` read one (or a
+Hugging Face folder directly).
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from hyscale_jax import models
-from hyscale_jax.convert.api import (CHECKPOINT_VARIABLES, ShardingSpec, sharding_for, config_mismatches,
-                                     import_checkpoint)
+from hyscale_jax.convert.api import (CHECKPOINT_VARIABLES, ShardingSpec, abstract_model, config_mismatches,
+                                     import_checkpoint, sharding_for)
 from hyscale_jax.model_config import ModelConfig
 
 CONFIG_FILE, PARAMS_DIR = "model_config.json", "params"
@@ -46,8 +46,7 @@ def read_native_config(directory: str, **overrides) -> ModelConfig:
 
 def load_native(directory: str, *, sharding: ShardingSpec = None, **overrides) -> nnx.Module:
   """Our model from a folder `save_native` wrote; orbax reads each array straight into its sharding."""
-  cfg = read_native_config(directory, **overrides)
-  model = nnx.eval_shape(lambda: models.build(cfg, rngs=nnx.Rngs(0)))
+  model = abstract_model(read_native_config(directory, **overrides))
   state = nnx.state(model, CHECKPOINT_VARIABLES)
   flat = dict(nnx.to_flat_state(state))
   target = nnx.from_flat_state({
@@ -79,7 +78,8 @@ def load_pretrained(directory: str, cfg: ModelConfig, *, sharding: ShardingSpec 
   if mismatches:
     raise ValueError(f"init_from={directory!r} holds a different model than config.model: "
                      + ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in sorted(mismatches.items()))
-                     + ". Set config.model to the checkpoint's (python -m hyscale_jax.convert import prints it).")
+                     + ". Set config.model to the checkpoint's: `python -m hyscale_jax.convert import` writes a "
+                     "config.py that has it.")
   model = load()
   leftover = [path for path, v in nnx.to_flat_state(nnx.state(model)) if not isinstance(v[...], jax.Array)]
   if leftover:
