@@ -2,14 +2,14 @@
 
 `plgpu.atomic_add` lowers to `atom.acq_rel`: every add also orders this thread's other memory
 operations. A gradient scatter-add needs none of that (nothing reads the accumulator until the
-kernel has finished), and on the H200 the relaxed form ran the sparse-attention backward 2.6x faster
-(bench/NOTES.md, 2026-12-03). jax's primitive takes no ordering argument, so this registers a
+kernel has finished), and the relaxed form ran the sparse-attention backward several times faster
+(docs/kernels/sparse_attention.md). jax's primitive takes no ordering argument, so this registers a
 sibling primitive that reuses jax's abstract-eval and interpret-mode (discharge) rules and lowers
 with `sem = relaxed`. It uses private jax modules, which the project pins (jax==0.11.2); no public
 route reaches it (Pallas-Triton's public `atomic_add` has no ordering argument, and jax-triton would
 mean rewriting the whole backward kernel in Triton). `tests/test_relaxed_atomics.py` fails loudly
-when jax moves: it checks the pinned version, that the Triton IR for an abstract H200 has a relaxed
-`tt.atomic_rmw fadd` (plgpu's is acq_rel), and the interpret-mode sums against plgpu's.
+when jax moves: it checks the pinned version, that the Triton IR for an abstract Hopper GPU has a
+relaxed `tt.atomic_rmw fadd` (plgpu's is acq_rel), and the interpret-mode sums against plgpu's.
 """
 
 from __future__ import annotations

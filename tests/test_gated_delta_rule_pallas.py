@@ -168,7 +168,7 @@ def test_declines_what_the_tiles_cannot_hold_and_validates_its_config():
 
 
 def test_auto_picks_pallas_on_gpu_only(monkeypatch):
-  """The H200 bench measured pallas faster (bench/NOTES.md 2026-12-04): auto takes it on GPU, with the
+  """The H200 bench measured pallas faster (docs/kernels/gated_delta_rule.md): auto takes it on GPU, with the
   reference behind it; on CPU auto stays the reference."""
   assert "pallas" in REGISTRY.implementations and REGISTRY.candidates("auto") == ("reference",)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

@@ -307,7 +307,7 @@ def test_tile_table_covers_every_row_of_every_group_once(sizes, m, tile_m):
 
 def test_tile_and_group_tables_run_no_loop():
   """The tables are straight-line XLA: a while loop (jnp.searchsorted's default binary search) runs
-  its steps as separate GPU launches, 0.25 ms before every grouped matmul (bench/NOTES.md 2026-12-06)."""
+  its steps as separate GPU launches, 0.25 ms before every grouped matmul (docs/kernels/grouped_matmul.md)."""
   from pallas_kernels.grouped_matmul import tiled  # noqa: PLC0415
 
   sizes = jnp.asarray([0, 5, 130, 0, 256], jnp.int32)

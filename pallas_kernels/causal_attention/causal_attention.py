@@ -47,7 +47,7 @@ class Config:
   @classmethod
   def heuristics(cls, head_dim: int, itemsize: int) -> "Config":
     """The largest square forward tile whose q block plus double-buffered k and v blocks fit ~160 KiB of
-    shared memory (the H200 has 227 KiB), and backward tiles whose ~6 blocks do.
+    shared memory (Hopper has 227 KiB per CTA), and backward tiles whose ~6 blocks do.
 
     bf16: 128 x 128 up to 128 dims, 64 x 64 at 256 (a 128-row tile of 256 dims is 64 KiB; q plus two
     stages of k and v would need 320 KiB); f32 halves them. A prior from the tile sizes, not yet tuned.

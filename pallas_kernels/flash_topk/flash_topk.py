@@ -15,8 +15,9 @@ key visible to a query block are not computed. The scores are the kernel's own f
 ranked as -inf), which on integer-valued inputs is bit-identical to the reference.
 
 fp8 (float8_e4m3fn) q and k go to the dot as they are, with f32 accumulation (the Triton IR's dot
-takes e4m3 operands; whether Triton picks the fp8 WGMMA was not checked, and at 16K on the H200 the
-fp8 path was slower than bf16: 15.2 against 12.5 ms, bench/NOTES.md). Their scales never touch the [rows, keys] tile before the head sum:
+takes e4m3 operands; whether Triton picks the fp8 WGMMA is not known, and the fp8 path measured
+slower than bf16: docs/kernels/flash_topk.md). Their scales never touch the [rows, keys] tile before
+the head sum:
 the caller folds q's row scales into the head weights, and k's scales (times `scale`) come in as
 `key_scale`, one multiply per (query, key) after the head sum, as DeepSeek-V3.2's `fp8_index` does.
 
@@ -38,33 +39,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.flash_topk._common import (
+    key_visible, keys_seen, next_power_of_two, rank_folded, segment_first_keys,
+)
+
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def next_power_of_two(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
-
-
-def keys_seen(position, compress_ratio: int, num_keys: int):
-  """How many keys a query at `position` sees: key s is visible iff (s+1) * compress_ratio <= position + 1."""
-  return jnp.clip((position + 1) // compress_ratio, 0, num_keys)
-
-
-def key_visible(key, position, compress_ratio: int, num_keys: int):
-  """Whether the query at `position` sees `key` (broadcasting), keys past `num_keys` never."""
-  return ((key + 1) * compress_ratio <= position + 1) & (key < num_keys)
-
-
-def rank_folded(score):
-  """A kernel's f32 scores as the reference ranks them: -0 joins the zero plateau's tie class (+0), and
-  NaN ranks lowest (-inf)."""
-  score = jnp.where(score == 0.0, 0.0, score)
-  return jnp.where(jnp.isnan(score), -jnp.inf, score)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Tuning knobs. The defaults come from the H200 measurements in bench/NOTES.md.
+  """Tuning knobs. The measurements behind each default are in docs/kernels/flash_topk.md.
 
   Attributes:
     block_rows: matmul rows per program, block_q = block_rows // H queries (at least 1);
@@ -94,13 +78,11 @@ class Config:
     mosaic_block_q, mosaic_block_k, mosaic_stages: the Mosaic pass's queries per CTA, keys per
       consumer warpgroup and key steps in flight (`score_counts_mgpu`).
     mosaic_chunk_bytes: the Mosaic pass's working memory per query chunk (mask and buffers); larger
-      than `chunk_bytes` because a chunk is one kernel launch, and at 128K keys 256 MiB chunks (1,296
-      rows, 2.5 waves of CTAs on 132 SMs) took 433.9 ms against 337.4 ms with 1 GiB (bench/NOTES.md).
-    mosaic_min_keys: "auto" scores on Mosaic from this many keys on. On the H200, two calls of
-      2026-12-05 against the Triton pass (unsorted, k 2048 unless said): 32K keys (V4's CSA at 128K
-      tokens, k 512) 92.3 against 110.7 ms, 64K 87.4 against 104.2 (H 64) and 66.8 against 82.6
-      (H 32), 128K 337.4 against 401.4 (an earlier call); 16K 9.8 against 8.5, where the rescoring
-      of ~3,600 candidates a row costs almost half of the main pass's FLOPs.
+      than `chunk_bytes` because a chunk is one kernel launch: at 128K keys a 256 MiB chunk is 1,296
+      rows, 2.5 waves of CTAs, and the launches' tails measured slower than 1 GiB chunks.
+    mosaic_min_keys: "auto" scores on Mosaic from this many keys on: measured faster than the Triton
+      pass from 32K keys (H 32 and 64, k 512 and 2048), slower at 16K, where the rescoring of ~3,600
+      candidates a row costs almost half of the main pass's FLOPs (docs/kernels/flash_topk.md).
   """
 
   block_rows: int | None = None
@@ -164,23 +146,23 @@ class Config:
       return False
     if self.scorer == "mosaic":
       return True
-    from pallas_kernels._hopper import on_hopper  # noqa: PLC0415
+    from pallas_kernels._hopper import on_hopper  # noqa: PLC0415 - _hopper imports Mosaic GPU, as above
 
     return not interpret and num_keys >= self.mosaic_min_keys and on_hopper()
 
   def resolved_keys_as_rows(self, num_heads: int, dtype) -> bool:
     """`keys_as_rows` for `num_heads` heads of `dtype`, the default resolved.
 
-    By default yes for bf16 and one query per program (16+ heads), where it was measured: H 64 at 16K
-    on the H200, 10.3 against 11.8 ms (bench/NOTES.md, 2026-12-05); no for fp8 and f32 (not timed)
-    and for the multi-query programs, whose head sum would need a transpose.
+    By default yes for bf16 and one query per program (16+ heads), where it was measured faster
+    (docs/kernels/flash_topk.md); no for fp8 and f32 (not timed) and for the multi-query programs,
+    whose head sum would need a transpose.
     """
     if self.keys_as_rows is None:
       return dtype == jnp.bfloat16 and self.block_q(num_heads) == 1
     return self.keys_as_rows
 
   def resolved_block_k(self, num_heads: int, dtype) -> int:
-    """`block_k` for `num_heads` heads of `dtype`: by default 64 keys as rows (the H200's best at
+    """`block_k` for `num_heads` heads of `dtype`: by default 64 keys as rows (the measured best at
     H 64), else 128."""
     if self.block_k is None:
       return 64 if self.resolved_keys_as_rows(num_heads, dtype) else 128
@@ -189,8 +171,9 @@ class Config:
   def block_q(self, num_heads: int) -> int:
     """Queries per program for `num_heads` heads (padded to a power of two).
 
-    By default one query per program once its heads fill a 16-row matmul (H=32 at 64K: 127
-    TFLOP/s against 82 with two queries), else 64 rows (QSA's 4 heads: 16 queries).
+    By default one query per program once its heads fill a 16-row matmul (the appends' [block_q,
+    block_k] scan costs least there; docs/kernels/flash_topk.md), else 64 rows (QSA's 4 heads: 16
+    queries).
     """
     heads = next_power_of_two(num_heads)
     if self.block_rows is None:
@@ -446,21 +429,6 @@ def _mask_candidates_kernel(q_offset_ref, mask_ref, *refs, block_q, block_k, num
   n_above, n_tied = jax.lax.fori_loop(first_tile, n_tiles, step, (zeros, zeros))
   n_above_ref[...] = n_above
   n_tied_ref[...] = n_tied
-
-
-def segment_first_keys(q_seg, kv_seg):
-  """i32[Tq]: for each query, the first key whose segment id equals its own (Tk where none does).
-
-  Keys before it can be visible to no query of that segment, whatever the ids' layout (a document's
-  id may come back later): a scorer may skip them. One stable sort of kv_seg [Tk] and a search.
-  """
-  Tk = kv_seg.shape[0]
-  order = jnp.argsort(kv_seg, stable=True)  # equal ids keep key order: the first is the smallest index
-  ids = kv_seg[order]
-  at = jnp.searchsorted(ids, q_seg, side="left", method="scan_unrolled")  # unrolled: no while loop on the GPU
-  clipped = jnp.minimum(at, Tk - 1)
-  found = (at < Tk) & (ids[clipped] == q_seg)
-  return jnp.where(found, order[clipped], Tk).astype(jnp.int32)
 
 
 def candidates_from_mask(mask, q_offset, *, num_keys: int, compress_ratio: int, slots: int, tie_slots: int,

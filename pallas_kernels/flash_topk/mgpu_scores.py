@@ -11,8 +11,8 @@ that sees no key), with segments also `n_visible`, and with `emit_mask` an int8 
 saying which side of the threshold the key is on. The arithmetic is the Triton main
 pass's (`flash_topk.py`, `_candidates_kernel`): f32 products, head sum, then `scale`.
 
-Why: the Pallas-Triton main pass tops out near 430 TFLOP/s on the H200 even with nothing to append;
-this pass scored at 711 TFLOP/s at 16K (bench/NOTES.md, 2026-12-05). A Mosaic GPU kernel has no
+Why: Hopper's warpgroup MMA scores well above what the Pallas-Triton main pass reaches even with
+nothing to append (docs/kernels/flash_topk.md has the figures). A Mosaic GPU kernel has no
 scatter to append candidates with, so it marks them (`mosaic_pass` lists and rescores them).
 
 Layout, "keys as rows": one CTA takes `block_q` queries, whose block_q * H (query, head) rows of q,
@@ -69,11 +69,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._hopper import smem_transforms
-from pallas_kernels.flash_topk.flash_topk import key_visible, keys_seen, rank_folded, segment_first_keys
+from pallas_kernels.flash_topk._common import key_visible, keys_seen, rank_folded, segment_first_keys
 
 _CONSUMERS = 2  # MMA warpgroups; the third issues the TMA loads
 _SWIZZLE_COLS = 64  # bf16 elements of a 128-byte swizzled row
-SMEM_LIMIT = 227 * 1024  # the H100/H200's shared memory per CTA (opt-in), as Mosaic GPU checks it
+SMEM_LIMIT = 227 * 1024  # Hopper's (sm_90) shared memory per CTA (opt-in), as Mosaic GPU checks it
 
 
 def smem_bytes(block_q: int, heads: int, block_k: int, stages: int, dim: int, emit_mask: bool = False,

@@ -6,13 +6,12 @@ their scores, the first keys tied at it, and the counts), in three steps per bat
 1. **Mark** (`mgpu_scores.score_counts_mgpu(emit_mask=True)`, Mosaic GPU): scores every visible key
    once and writes an int8 per (query, key): 2 above the row's threshold, 1 tied, 0 below. A Mosaic
    GPU kernel has no scatter to append with, so it writes the mask instead: one byte per score
-   against the four the score itself would take, and at the H200's rates a few percent of the
-   scoring time.
+   against the four the score itself would take, a few percent of the scoring time.
 2. **List** (`candidates_from_mask`, Triton): reads each row's visible mask bytes once and appends
    the marked keys in key order, as the Triton pass does while it scores.
 3. **Rescore** (`index_scores_at_prefix`, Triton, keys as the matmul's rows): the scores of the
-   listed keys, each row only as far as its count. The finish ranks the candidates by these. On the
-   H200 at 128K (4,000 keys a row): 23.1 ms, 366 TFLOP/s, against 37.8 ms with heads as rows.
+   listed keys, each row only as far as its count. The finish ranks the candidates by these. Keys
+   as rows measured faster than heads as rows here (docs/kernels/flash_topk.md).
 
 Scores are f32 in both kernels (products, head sum, scale), summed in different orders, so a key
 whose two scores straddle the threshold by a rounding may be marked on one side and ranked by the
@@ -34,9 +33,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.flash_topk.flash_topk import (
-    Candidates, Config, candidates_from_mask, keys_seen, next_power_of_two, rank_folded,
-)
+from pallas_kernels.flash_topk._common import keys_seen, next_power_of_two, rank_folded
+from pallas_kernels.flash_topk.flash_topk import Candidates, Config, candidates_from_mask
 from pallas_kernels.flash_topk.mgpu_scores import first_scored_keys, output_bytes_per_row, score_counts_mgpu
 from pallas_kernels.flash_topk.scores_at import index_scores_at_prefix
 

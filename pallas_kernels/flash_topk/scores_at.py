@@ -5,8 +5,8 @@
 student side of the DSA indexer loss, the Pallas twin of
 `hyscale_jax.ops.flash_topk.reference.index_scores_at`. XLA's version gathers a [T, K, D] copy of
 the selected key rows (f32, so that its transpose adds in f32) and its backward scatter-adds a
-[T, K, D] f32 array: 40 of the 57.6 ms that the GLM-5.1 indexer loss took at 16K on the H200
-(bench/NOTES.md). Here one program per token walks its K selections `block_k` at a time and gathers
+[T, K, D] f32 array, most of the indexer loss's time at GLM-5.1's shapes (docs/kernels/indexer_loss.md).
+Here one program per token walks its K selections `block_k` at a time and gathers
 each block of key rows once, into registers:
 
 - forward: `[H, D] x [D, block_k]` on the tensor cores, ReLU, head weights, the head sum in f32:
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.flash_topk.flash_topk import next_power_of_two
+from pallas_kernels.flash_topk._common import next_power_of_two
 from pallas_kernels._relaxed_atomics import scatter_add_rows
 
 _HIGHEST = jax.lax.Precision.HIGHEST

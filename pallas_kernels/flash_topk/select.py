@@ -2,7 +2,7 @@
 
 FlashTopK's main pass leaves each row a buffer of (key, score) candidates, in key order, about twice
 `topk` of them in `slots` (4 x topk) places. `lax.top_k` over that buffer sorts all `slots` entries
-per row (37.8 of the backend's 172.4 ms at T=64K on the H200, bench/NOTES.md). This kernel finds
+per row (a fifth of the whole op at 64K keys when it was the finish: docs/kernels/flash_topk.md). This kernel finds
 each row's k-th largest score instead, with no sort: scores map to unsigned integers in the same
 order, and passes over the row (held in registers) build the k-th one's bits from the top down,
 each keeping a bit if at least `topk` entries are >= the prefix with it set (at most 32 passes;
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.flash_topk.flash_topk import next_power_of_two
+from pallas_kernels.flash_topk._common import next_power_of_two
 
 
 def ordered_bits(scores: jax.Array) -> jax.Array:

@@ -42,8 +42,8 @@ _PRECISIONS = {
 class Config:
   """Value columns per program (block_v), Triton's warps and stages, and the f32 matmul algorithm.
 
-  precision: "tf32" (tensor cores, 10-bit mantissa inputs; what XLA's default f32 dot does on the
-  H200), "tf32x3" (three tf32 products, about f32 accuracy), "ieee" (f32 FMAs, slow), or None:
+  precision: "tf32" (tensor cores, 10-bit mantissa inputs; what XLA's default f32 dot does on Hopper
+  GPUs), "tf32x3" (three tf32 products, about f32 accuracy), "ieee" (f32 FMAs, slow), or None:
   follow `jax_default_matmul_precision` as XLA's dots in the same program do ("ieee" under
   "highest"/"float32", else "tf32").
   """
@@ -67,14 +67,11 @@ class Config:
   def heuristics(cls, Dk: int, Dv: int, C: int) -> "Config":
     """block_v 32 (fla's choice at 128 dims): a [Dk, 32] f32 state and a chunk's [C, Dk] terms stay
     in 4 warps' registers, and B * Hv * Dv / 32 programs (192 at one row of Qwen3.8-Flash-Next's 48
-    value heads) cover the H200's 132 SMs; 8 warps once the chunk's [C, Dk] tiles pass 64 x 128.
+    value heads) cover a Hopper GPU's 132 SMs; 8 warps once the chunk's [C, Dk] tiles pass 64 x 128.
     Two pipeline stages only while two copies of a chunk's f32 tiles (three [C, Dk], one [C, C])
-    fit 160 KiB of shared memory (of the H200's 227): at C 64 and Dk 128 they are 224 KiB, so one.
-    Compiled offline for sm_90 (the kernels' Triton IR at C 64, Dk = Dv = 128, through Triton 3.9
-    and ptxas): 2 stages need 264-272 KiB of shared memory (over the limit), 1 stage 56 KiB; at
-    4 warps the forward uses 220 registers and the backward 255 with a 132-byte spill, so two
-    programs share an SM and all 192 run at once (8 warps: 191/213 registers, one per SM, two
-    waves); block_v 64 spills at 4 warps. Not yet timed on the device (`search_space`)."""
+    fit 160 KiB of shared memory (of Hopper's 227): at C 64 and Dk 128 they are 224 KiB, so one.
+    Chosen from offline compiles for sm_90 (registers, spills and shared memory per config:
+    docs/kernels/gated_delta_rule.md); not yet timed on a device (`search_space`)."""
     tiles = 4 * (3 * C * Dk + C * C)
     return cls(block_v=min(32, Dv), num_warps=8 if C * Dk > 64 * 128 else 4,
                num_stages=2 if 2 * tiles <= 160 * 1024 else 1)

@@ -32,10 +32,10 @@ _STATE = {"enabled": None}  # None: read HYSCALE_AUTOTUNE
 _MEMORY: dict[str, dict] = {}  # cache file path -> its entries, read once per process
 
 
-# Widest output chunk a consumer stores at once. On an H100, the power-of-two row runs of a partial
-# tile 256 bf16 columns wide (split_rows at block_n 256) left the row after the last run wrong in its
-# first 192 columns (`JAX_PLATFORMS=cuda pytest tests/test_grouped_matmul.py -k oracle`, variant c0p;
-# the interpreter agrees with the oracle); in 128-column chunks every case is exact.
+# Widest output chunk a consumer stores at once. On Hopper hardware, the power-of-two row runs of a
+# partial tile 256 bf16 columns wide (split_rows at block_n 256) left the row after the last run wrong
+# in its first 192 columns (`JAX_PLATFORMS=cuda pytest tests/test_grouped_matmul.py -k oracle`, variant
+# c0p; the interpreter agrees with the oracle); in 128-column chunks every case is exact.
 MAX_STORE_COLS = 128
 # Mean rows per group up to which `Config.rows_as_n_heuristics` takes 160-row tiles (two cover
 # Qwen3.8-Flash-Next's 320 at 16K tokens), 256 above.
@@ -146,24 +146,22 @@ class Config:
   @classmethod
   def heuristics(cls, kind: str, m: int, k: int, n: int, g: int) -> "Config":
     """The default when nothing is cached: 128 x 256 CTA tiles, 3 stages (208 KiB of bf16), snake
-    bands of 4 N blocks for the forward (H100 sweep, bench/NOTES.md 2026-12-05), for dx 8 where they
-    tile the blocks exactly (or, for items of at most 16 K steps, where there are 8) else 4, and for
-    dW 4 (1 under 4 blocks): the best of the configs swept at the bench shapes on the H200
-    (bench/NOTES.md 2026-12-04). A fourth stage, with the output stored in 64-column chunks, for
-    continuous forwards and those short dx items (`with_more_stages`). An N that 256 does not divide
-    still takes 256-column CTAs when that pads it by at most 20% (the kernels read the columns past N
-    as zeros: Qwen's 640 = 2.5 CTAs ran 355.8 against 325.4 TFLOP/s on 128-column CTAs, dW 306.3
-    against 267.1), else 128-column CTAs, 4 stages.
+    bands of 4 N blocks for the forward, for dx 8 where they tile the blocks exactly (or, for items
+    of at most 16 K steps, where there are 8) else 4, and for dW 4 (1 under 4 blocks): the best of
+    the configs swept at the bench shapes. A fourth stage, with the output stored in 64-column
+    chunks, for continuous forwards and those short dx items (`with_more_stages`). An N that 256
+    does not divide still takes 256-column CTAs when that pads it by at most 20% (the kernels read
+    the columns past N as zeros, and the wider CTAs measured faster at Qwen's 640 = 2.5 CTAs), else
+    128-column CTAs, 4 stages.
     dW's block_m also tiles its output's K (= P) axis: 64 when 128 does not divide it, so the wrapper
     need not pad (a padded operand is a copy). The continuous pipeline for every dW and for forward/dx
-    items of at most 64 K steps (measured in one process at the bench shapes, bench/NOTES.md
-    2026-12-04 evening); 64-row tail tiles are left to tuning (faster at Qwen's forward, slower at
-    its dx and the skewed GLM-5.1 forward). Forward/dx of at most 64 K steps an item take
-    `rows_as_n_heuristics`'s tiling instead where its tiles cover a mean group with less MMA area
-    (`mma_area`): Qwen3.8-Flash-Next's 320 x 640 experts in 320 x 640 against 384 x 768 (forward
-    497.5 -> 534.5 TFLOP/s, dx 434.7 -> 493.5 on an H100), at 64K tokens its forward's 1280 x 640
-    against 1280 x 768 (626 -> 692); not its dx there (1280 x 2560 both ways: 656 on row tiles, 590
-    on 256 rows on N), nor GLM-5.1 or V4-Flash.
+    items of at most 64 K steps, where it measured faster; 64-row tail tiles are left to tuning
+    (faster at Qwen's forward, slower at its dx and the skewed GLM-5.1 forward). Forward/dx of at
+    most 64 K steps an item take `rows_as_n_heuristics`'s tiling instead where its tiles cover a mean
+    group with less MMA area (`mma_area`): Qwen3.8-Flash-Next's 320 x 640 experts in 320 x 640
+    against 384 x 768, at 64K tokens its forward's 1280 x 640 against 1280 x 768; not its dx there
+    (1280 x 2560 both ways, and row tiles measured faster), nor GLM-5.1 or V4-Flash.
+    docs/kernels/grouped_matmul.md has the measurements behind each choice.
     """
     _check_kind(kind)
     row_tiles = cls._row_tile_heuristics(kind, k, n)
@@ -180,10 +178,8 @@ class Config:
     has at most `NARROW_MEAN_ROWS` rows (Qwen3.8-Flash-Next's 320 in two), else 256; 128-column CTAs,
     at 160 rows in a snake band over all of N's blocks (a row tile's rows stay in L2 across them, else
     bands of 8); five stages at 160 rows (three at 256), and for the narrow forward's long items one wgmma
-    group left in flight (`delay_release`). Measured on an H100 in one process each
-    (bench/NOTES.md, 2026-12-06): Qwen's forward 497.5 -> 534.5 TFLOP/s, its dx 434.7 -> 493.5; at
-    256 rows Qwen's 64K-token forward 629 -> 692, GLM-5.1's 16K forward 700 -> 722 (dx the same; not
-    the default there, `heuristics` says why); V4-Flash's forward 712 -> 650 at 192 rows.
+    group left in flight (`delay_release`). Measured faster than the row tiles at Qwen's 16K forward
+    and dx and its 64K forward; slower at V4-Flash's forward (docs/kernels/grouped_matmul.md).
     """
     if kind == "transposed":
       raise ValueError("Config.rows_as_n_heuristics: rows_as_n is a forward/dx tiling, not dW's.")
@@ -203,28 +199,28 @@ class Config:
     blocks = -(-n // (2 * block_n))
     if kind == "transposed":
       band = 4 if blocks >= 4 else 1
-    elif kind == "forward":  # GLM-5.1 16K 595 -> 681 TFLOP/s at band 4 against 8 (H100, bench/NOTES.md 2026-12-05)
+    elif kind == "forward":  # band 4 measured faster than 8 at every forward swept
       band = 4
-    elif k <= 16 * 64:  # short dx items (Qwen's 10 K steps, 4 stages below): band 8 374-392, 4 352
+    elif k <= 16 * 64:  # short dx items (Qwen's 10 K steps, 4 stages below): band 8 measured faster
       band = 8 if blocks >= 8 else 4
     else:  # a remainder band cost Qwen's dx 30% at 3 stages: 8 only where it tiles the blocks
       band = 8 if blocks % 8 == 0 else 4
     stages = 3 if block_n == 128 else 4
     if kind == "transposed":
-      # dW: the continuous pipeline (+15-25% at every bench shape), and where 256 columns pad Q but
-      # 128 do not (Qwen's 640), warpgroups splitting P instead: 443.5 against 368.7 (bench/NOTES.md).
+      # dW: the continuous pipeline (faster at every bench shape), and where 256 columns pad Q but
+      # 128 do not (Qwen's 640), warpgroups splitting P instead (faster there).
       split = n % (2 * block_n) != 0 and n % block_n == 0 and k % (2 * block_m) == 0
       return cls(block_m=block_m, block_n=block_n, max_concurrent_steps=stages, grid_block_n=1 if split else band,
                  continuous=True, split_rows=split)
-    # Forward/dx: continuous where an item is at most 64 K steps (V4-Flash's forward 545 -> 599, Qwen's
-    # dx 308 -> 336); at GLM-5.1's K 6144 it measured the same as one pipeline per item.
+    # Forward/dx: continuous where an item is at most 64 K steps (faster at V4-Flash's forward and
+    # Qwen's dx); at GLM-5.1's K 6144 it measured the same as one pipeline per item.
     continuous = k <= 64 * 64
     config = cls(block_m=block_m, block_n=block_n, max_concurrent_steps=stages, grid_block_n=band,
                  continuous=continuous)
     if continuous and block_n == 128 and (kind == "forward" or k <= 16 * 64):
       # A fourth stage where the output tile goes out in 64-column chunks (its buffer 32 KiB, not 64):
-      # forward V4-Flash 632 -> 658, Qwen 383-396 -> 416, Qwen's dx (10 K steps an item) 370 -> 392;
-      # not at dx's 32 steps (GLM-5.1 601 -> 552 at band 8).
+      # faster at the short items of V4-Flash's and Qwen's forwards and Qwen's dx (10 K steps an item);
+      # not at dx's 32 steps (slower at GLM-5.1).
       config = config.with_more_stages()
     return config
 
@@ -241,8 +237,8 @@ class Config:
     output stored in 64-column chunks, the other band; for dW the other way of splitting the
     tile), then snake bands of 1-16 N blocks (how long a row tile stays
     hot in L2) and tiles of 64 or 128 rows x 128 or 256 columns. Kept only if the CTA's columns pad N
-    by at most 20% (and, for dW, block_m divides its K) and the kernel fits the H100/H200's 227 KiB
-    of shared memory.
+    by at most 20% (and, for dW, block_m divides its K) and the kernel fits Hopper's 227 KiB of
+    shared memory.
     """
     _check_kind(kind)
     heuristic = cls.heuristics(kind, m, k, n, g)

@@ -33,26 +33,21 @@ start whenever an SM frees, at every phase of their rows, and at 64K the rows th
 MB, K 75 MB) far exceed the 50 MB L2. The other two sort each row's indices by key first
 (`sorted_by_key`, which skips the sort when the rows already are, as FlashTopK's arrive):
 - "waves": launches of one CTA per SM, in a loop. The CTAs of a launch start together and walk their
-  keys upward at about the same pace. Each launch waits for its slowest CTA, about 49 µs a wave on
-  the H200.
+  keys upward at about the same pace. Each launch waits for its slowest CTA, and Q and dO load with
+  nothing else running: a fixed cost per wave.
 - "sweep" (the default): one launch. CTAs publish how far they are through a pass over their row (a
   relaxed atomic max on an int32 counter, in 1/4096ths of a pass); a starting CTA reads it and begins
   its walk at that fraction of its own row, wrapping around. Rows of tokens that run together have
   about the same keys at the same fraction, so the running CTAs share one moving band with no launch
   gaps. The value read only picks where a row's walk starts (any value gives the same sums; each CTA
   shares the one value its thread 0 read), so dq's summation order, like dK's, varies run to run.
-On an H100 at MLA (bench/NOTES.md, 2026-12-06; the row sort, 7.3 ms at 64K, included): 64K one launch
-366.3 ms, waves 282.4, sweep 277.9; 16K 67.1, 66.0, 58.7. On the H200: 64K one launch 278.8, waves
-257.2, sweep 240.6 (196.5 TFLOP/s); 16K 56.5, 62.8, 56.0 (211.0). The same slots with the keys taken mod
-8,192 ran the sweep in 230.1 ms at 64K: what is left at 64K is the DRAM traffic of each pass over
-the rows (dK read and written back, K read: about 377 MB a pass, one pass per SM count of tokens).
+The sweep measured fastest of the three at 64K, and no slower than one launch at 16K. What is left at
+64K is the DRAM traffic of each pass over the rows (dK read and written back, K read: about 377 MB a
+pass, one pass per SM count of tokens), which does not overlap the compute.
 
-The kernel in one launch on the H200 (bench/probe_sparse_attention_bwd_mgpu.py, 2026-12-05, one call
-beside the Triton backward; FLOPs
-TileLang's `2 T H k (3 Dk + 2 Dv)`, causal random selections, k 2048): MLA 16K 57.50 ms = 205.5 TFLOP/s
-(Triton 134.47; TileLang's sparse_mla_bwd 66.5 in an earlier call), 64K 283.41 = 166.8 (Triton
-535.98); DeepSeek-V4 (512, sinks) 16K 16.89 (Triton 33.72). Without the scatter (a diagnostic) MLA
-16K takes 20.17 ms: the f32 atomic adds (77 GB of them at 16K) are most of the time.
+The f32 atomic adds (T k Dk 4 bytes) are most of the kernel's time: without the scatter (the
+`skip_scatter` diagnostic) it runs in about a third of the time. docs/kernels/sparse_attention.md has
+the measurements of the schedules, the configs and the alternatives tried.
 Nothing here runs on CPU: it needs sm_90a (wgmma, cp.async into swizzled tiles, vector red).
 """
 
@@ -75,7 +70,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._hopper import smem_transforms
 from pallas_kernels.sparse_attention import mgpu_forward as fwd
-from pallas_kernels.sparse_attention.sparse_attention import row_delta
+from pallas_kernels.sparse_attention._common import row_delta
 
 _HEADS = fwd._HEADS
 _BLOCK_K = 64  # keys a step: dK's rows are one warpgroup MMA's M
@@ -93,19 +88,11 @@ class Config:
   tests start it elsewhere so that rows start their walks past their first block), and
   `skip_scatter`, a timing diagnostic only (dK stays zero: what the atomic adds cost).
 
-  In one launch, at MLA dims, 16K on the H200 (bench/NOTES.md, `bench/probe_sparse_attention_bwd_mgpu.py`): 64-column
-  chunks 65.82 ms, 128 59.74, 128 with 240 / 24 registers 57.50 (the default); without the scatter
-  20.17. Measured and removed: `red.global.v4` after a lane-pair shuffle (68.05 / 61.97 at 64 / 128
-  columns), the next chunk's MMAs issued before this chunk's scatter (two accumulators live: 108.27
-  at 64 columns, 316.40 at 128: spills), the chunk past Dv on consumer 1 (59.92), and dK rows staged in
-  each consumer's dQ columns of the key tile and added by `cp.reduce.async.bulk ... .add.f32` (1.61x
-  today's adds alone, bench/probe_scatter_add_mgpu.py; in the kernel 67.81 against 57.01 at 16K,
-  314.97 against 282.30 at 64K: the next gather waits until the copies have read the tile, and no
-  other shared memory is free); with 32-key steps, which free 47 KiB for staging, 99.15 against 69.10
-  on an H100 at 16K (the copies hold their buffer until the L2 has taken the rows, so 47 KiB keeps
-  too few bytes in flight). The evict_last hint on the adds: 366.4 against 377.9 ms at 64K, 67.1
-  against 68.8 at 16K on an H100 (fractions 0.1-0.5 of it in between; evict_first on the gathered
-  key rows 384.8).
+  The defaults (128-column chunks, 240 / 24 registers, the evict_last hint, the sweep) are the fastest
+  measured. Measured slower and removed: `red.global.v4` adds, the next chunk's MMAs issued before
+  this chunk's scatter (spills), and dK rows staged in shared memory and added by the TMA unit
+  (`cp.reduce.async.bulk`: faster alone, slower in this kernel, whose shared memory is full).
+  docs/kernels/sparse_attention.md has the figures.
   """
 
   consumer_registers: int = 240

@@ -24,21 +24,11 @@ explicit values, G > 1, and heads that are not a multiple of 64. DeepSeek-V4's s
 
 Shapes: q [B, T, H, Dk], k [B, S, 1, Dk], indices int32 [B, T, K] -> out [B, T, H, Dv], lse [B, T, H].
 
-On the H200 at MLA dims (H 64, Dk 576, Dv 512, k 2048, causal random picks, FLOPs counted over all
-k), one call of bench/probe_sparse_mla_mgpu.py, ms (TFLOP/s):
-
-                              T=16K          T=64K
-  Pallas-Triton forward       27.97 (167)    114.26 (164)
-  "wait_group", row 0         10.49 (446)     38.72 (483)   (the first version)
-  "mbarrier", row 0            9.74 (480)     40.11 (466)
-  "mbarrier", zero_fill        9.09 (514)     38.41 (487)
-  "mbarrier", zero_fill, trim  8.64 (541)     38.16 (490)   (the default)
-
-DeepSeek-V4's shape (Dk = Dv = 512, sinks) at 16K: 8.13 ms (541) against 25.08 for Pallas-Triton.
-Zero-filling the invalid slots helps most at 16K, where the short rows' -1 slots all read row 0
-(likely one hot line; not profiled); trimming skips their all-invalid tails (about 6% of the steps
-at 16K, 1.6% at 64K). Bytes over time, both sizes gather about 4.0-4.2 TB/s of key rows (2.36 MB a
-token): a likely bound now (an estimate, not profiled).
+Each of the mbarrier hand-over, zero-filled invalid slots and trimmed tails measured faster than
+the variant before it, and the kernel several times faster than the Pallas-Triton forward, at MLA
+and DeepSeek-V4 dims (docs/kernels/sparse_attention.md has the table). Zero-filling helps most where
+short rows' -1 slots would all read row 0 (likely one hot line; not profiled). The gather of key
+rows (2.36 MB a token at MLA dims) is the likely bound (an estimate, not profiled).
 Nothing here runs on CPU: it needs sm_90a (wgmma, cp.async into swizzled tiles).
 """
 
@@ -94,8 +84,8 @@ class Config:
   num_stages: int = 2
   consumer_registers: int = 232
   producer_registers: int = 40
-  gather_signal: Literal["mbarrier", "wait_group"] = "mbarrier"  # measured in the module docstring
-  gathers_in_flight: int = 1  # 2 measured slower: 12.30 against 10.70 ms at T=16K (bench/probe_sparse_mla_mgpu.py)
+  gather_signal: Literal["mbarrier", "wait_group"] = "mbarrier"  # measured: docs/kernels/sparse_attention.md
+  gathers_in_flight: int = 1  # 2 measured slower (docs/kernels/sparse_attention.md)
   zero_fill: bool = True
   trim_steps: bool = True
 

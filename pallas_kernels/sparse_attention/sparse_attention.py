@@ -24,7 +24,7 @@ value rows by integer-array loads.
 - Values from the key row: with `v=None` (absorbed MLA's latent is the key's first 512 of 576
   dims; DeepSeek-V4 has K = V) the gathered key part doubles as the value tile, and the backward
   adds dV into that part's dK before one scatter: 576 atomics per (key, head block) instead of
-  576 + 512 (backward 56 -> 82 TF/s at MLA dims on the H200, bench/NOTES.md).
+  576 + 512, which the atomic-bound backward feels directly (docs/kernels/sparse_attention.md).
 - Teacher (indexer loss): `sum_h exp(S - lse)` at each selected key, the DSA distillation target,
   from the saved `lse` without writing per-head probabilities.
 
@@ -52,6 +52,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._hopper import require_hopper
 from pallas_kernels._relaxed_atomics import scatter_add_rows
 from pallas_kernels.sparse_attention import key_major
+from pallas_kernels.sparse_attention._common import row_delta
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _NEG = -1e30  # a finite "minus infinity" for the running max, so empty prefixes never give inf - inf
@@ -65,17 +66,17 @@ class Config:
   the program's heads, and sums the slices' dK and dV rows before one scatter. Each matmul's M then
   stays under 64, so Triton uses the older mma for all of them and keeps one shared-memory copy of
   q and dout (wgmma for S = q k^T beside dS^T q on the older mma needs two copies of each, which
-  overflow the H200 at 64 heads of 576 + 512); 64 heads per program halve the atomic adds of 32.
+  overflow Hopper's 227 KiB at 64 heads of 576 + 512); 64 heads per program halve the atomic adds of 32.
   The deterministic backward adds two: `key_block`, keys per program of its key-major pass, and
   `chunk_bytes`, the budget of its f32 contribution slabs (queries run in chunks that fit it).
 
   `forward` picks the forward kernel: "auto" runs the Mosaic GPU kernel (`mgpu_forward.py`) on a
-  Hopper GPU where it applies (one key head, values from the key rows, 64-head blocks;
-  3.2x this file's kernel at MLA dims, 16K) and this file's Triton kernel elsewhere; "triton" always
+  Hopper GPU where it applies (one key head, values from the key rows, 64-head blocks; several times
+  faster than this file's kernel at MLA dims) and this file's Triton kernel elsewhere; "triton" always
   runs this file's; "mosaic" raises NotImplementedError where the Mosaic GPU kernel does not apply.
   `backward` picks the backward kernel the same way (`mgpu_backward.py`: one key head, values from the
-  key rows, 64-head blocks, 16-bit inputs, not `deterministic`; 2.3x this file's kernel at MLA dims,
-  16K, 1.9x at 64K; the other `Config` fields tune only the Triton kernels).
+  key rows, 64-head blocks, 16-bit inputs, not `deterministic`; the other `Config` fields tune only
+  the Triton kernels). docs/kernels/sparse_attention.md has the measurements.
   """
 
   block_h: int = 64
@@ -98,8 +99,8 @@ class Config:
 
   @classmethod
   def teacher_heuristics(cls, Dk: int, itemsize: int) -> "Config":
-    """The forward's rule for block_k with no value rows, on 4 warps: at MLA dims (64 heads, 576, k 2048,
-    16K rows) 11.96 ms against 17.38 on 8 warps, on the H200 (bench/NOTES.md)."""
+    """The forward's rule for block_k with no value rows, on 4 warps (measured faster than 8 at MLA dims:
+    docs/kernels/indexer_loss.md)."""
     return dataclasses.replace(cls.heuristics(Dk, 0, itemsize), num_warps=4)
 
   @classmethod
@@ -107,8 +108,8 @@ class Config:
                           value_from_key: bool = False) -> "Config":
     """16-bit inputs with >= 64 heads per KV group whose values are the key rows' prefix (absorbed MLA,
     DeepSeek-V4; Dk <= 576, Dv <= 512): 64 heads per program in slices of 32, 32 keys per step, 8
-    warps, 1 stage, which halves the atomic adds of 32 heads (at MLA dims on the H200, 16K: 133.91
-    against 142.98 ms; 64K: 566.29 against 660.59; V4 16K: 33.41 against 38.52; bench/NOTES.md).
+    warps, 1 stage, which halves the atomic adds of 32 heads (measured faster at MLA and V4 dims, 16K
+    and 64K: docs/kernels/sparse_attention.md).
     Else (f32, whose 64 heads overflow shared memory; QSA's 12 heads per group; explicit value rows,
     a second gathered tile that was never measured at 64 heads) the earlier best: 32 heads, 16 keys,
     4 warps."""
@@ -574,12 +575,6 @@ def sparse_attention_backward_pallas(residuals, cotangents, *, scale, determinis
   dk = dk.astype(k.dtype)
   dv = None if dv is None else dv.astype(v.dtype)
   return dq, dk, dv, _dsinks(sinks, lse, delta)
-
-
-def row_delta(out, dout, dlse):
-  """f32 [B, T, H] delta = <dout, out> - dlse: the softmax Jacobian's row term, with lse's own cotangent
-  folded in (both backward kernels, and the sinks' gradient)."""
-  return jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
 
 
 def _dsinks(sinks, lse, delta):

@@ -23,7 +23,8 @@ REGISTRY = BackendRegistry(
 REGISTRY.register_optional(
     "pallas", "pallas_kernels.causal_attention",
     ("causal_attention_forward_pallas", "causal_attention_backward_pallas"),
-    wrap=lambda forward, backward: functools.partial(attend_with_saved_residuals, forward, backward))
+    wrap=lambda forward, backward: functools.partial(attend_with_saved_residuals, forward, backward),
+    kernel="JAX's Triton flash attention")
 
 
 def causal_attention(

@@ -18,15 +18,16 @@ from hyscale_jax.sharding import CONTEXT_AXIS
 REGISTRY = BackendRegistry(
     "gated_delta_rule",
     {"reference": gated_delta_rule_reference, "xla_baseline": gated_delta_rule_xla_baseline},
-    # "pallas" first on GPU: 1.4x forward, 1.7x forward+backward over the reference on XLA at the
-    # Qwen3.8-Flash-Next shape, 16K and 64K tokens (H200, bench/NOTES.md 2026-12-04).
+    # "pallas" first on GPU: measured faster than the reference on XLA, forward and backward, at the
+    # Qwen3.8-Flash-Next shape (docs/kernels/gated_delta_rule.md).
     auto_order={"gpu": ("pallas", "reference"), "default": ("reference",)},
 )
 # The reference's chunk terms with the pass over the chunks in Triton kernels (forward and backward).
 REGISTRY.register_optional(
     "pallas", "pallas_kernels.gated_delta_rule",
     ("gated_delta_rule_scan_fwd", "gated_delta_rule_scan_bwd", "check_applies"),
-    wrap=lambda fwd, bwd, check: functools.partial(gated_delta_rule_with_scan_kernels, fwd, bwd, check))
+    wrap=lambda fwd, bwd, check: functools.partial(gated_delta_rule_with_scan_kernels, fwd, bwd, check),
+    kernel="Triton pass over the chunks, XLA chunk terms")
 
 
 def gated_delta_rule(
@@ -75,9 +76,9 @@ def gated_delta_rule(
     scale: query scale (static float); None means Dk ** -0.5.
     chunk: tokens per chunk of the reference (static positive int); T need not be a multiple.
     return_final_state: also return the state after the last token.
-    backend: "auto" ("reference" on every platform for now), "pallas" (Triton kernels for the pass
-      over the chunks; interpret mode off a GPU; chunk, Dk and Dv powers of two >= 16), "reference"
-      or "xla_baseline".
+    backend: "auto" ("pallas" then "reference" on a GPU, "reference" elsewhere), "pallas" (Triton
+      kernels for the pass over the chunks; interpret mode off a GPU; chunk, Dk and Dv powers of two
+      >= 16), "reference" or "xla_baseline".
 
   Returns:
     out [B, T, Hv, Dv] in q.dtype, or (out, final state f32[B, Hv, Dk, Dv]) with `return_final_state`.

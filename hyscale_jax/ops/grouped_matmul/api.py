@@ -30,6 +30,13 @@ def _checked(check, run):
   return wrapped
 
 
+def _pallas_kernel(hopper):
+  """The kernels are Hopper's (wgmma, TMA): elsewhere `check_supported` declines and "auto" runs the reference."""
+  if hopper is None:
+    return "Mosaic GPU on Hopper; the reference elsewhere"
+  return "Mosaic GPU" if hopper else "Mosaic GPU, Hopper only: declines here, the reference runs"
+
+
 REGISTRY = BackendRegistry(
     "grouped_matmul",
     {"reference": functools.partial(grouped_with_vjp, grouped_matmul_reference,
@@ -41,7 +48,8 @@ REGISTRY.register_optional(
     "pallas", "pallas_kernels.grouped_matmul", ("grouped_matmul_pallas", "transposed_grouped_matmul_pallas",
                                                 "check_supported"),
     wrap=lambda forward, transposed, check: _checked(check, functools.partial(grouped_with_vjp, forward,
-                                                                             transposed)))
+                                                                             transposed)),
+    kernel=lambda kernels, hopper: _pallas_kernel(hopper))
 
 
 def grouped_matmul(

@@ -19,7 +19,7 @@ REGISTRY = BackendRegistry(
 
 # The dense form's [query_chunk, H, key_chunk] f32 tiles on the GPU. The reference's 64 x 256 make a
 # 128K-token pass about 520K loop steps of small kernels, so launches, not FLOPs, set its time
-# (bench/probe_dense_indexer_loss.py).
+# (docs/kernels/indexer_loss.md).
 GPU_DENSE_BLOCKS = (256, 1024)
 
 
@@ -46,7 +46,8 @@ def _with_pallas_kernels(teacher_kernel):
 
 
 REGISTRY.register_optional("pallas", "pallas_kernels.sparse_attention", "attention_teacher_pallas",
-                           wrap=_with_pallas_kernels)
+                           wrap=_with_pallas_kernels,
+                           kernel="Triton teacher and scores at the selected keys, XLA softmax and KL")
 
 
 def _xla_baseline(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices=None, *,
@@ -68,7 +69,7 @@ def _xla_baseline(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, ind
   rows = max(1, min(index_q.shape[1], bytes_budget // (4 * B * HI * index_k.shape[1])))
   teacher = {}
   if platform() == "gpu" and "pallas" in REGISTRY.implementations:
-    from pallas_kernels.sparse_attention import attention_teacher_pallas  # noqa: PLC0415
+    from pallas_kernels.sparse_attention import attention_teacher_pallas  # noqa: PLC0415 - optional, as "pallas" is
     teacher = dict(teacher_mass=attention_teacher_pallas)
   return indexer_loss_reference(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices,
                                 query_chunk=rows, rescore=True, **teacher, **kwargs)

@@ -12,6 +12,19 @@ from hyscale_jax.ops._registry import Backend, BackendRegistry
 from hyscale_jax.ops.sparse_attention.reference import sparse_attention_reference
 from hyscale_jax.ops.sparse_attention.vjp import attention_with_saved_residuals
 
+
+def _pallas_kernel(config, hopper):
+  """Which passes `config.forward` / `config.backward` put on Mosaic GPU (Hopper, where the kernel applies:
+  one key head, values from the key rows, 64-head blocks), the rest on Triton."""
+  passes = [name for name, choice in (("forward", config.forward), ("backward", config.backward))
+            if choice == "mosaic" or (choice == "auto" and hopper is not False)]
+  if not passes:
+    return "Triton"
+  where = "on Hopper " if hopper is None and "auto" in (config.forward, config.backward) else ""
+  where += "where they apply" if len(passes) > 1 else "where it applies"
+  return f"Mosaic GPU {' and '.join(passes)} {where}, Triton otherwise"
+
+
 REGISTRY = BackendRegistry(
     "sparse_attention",
     {"reference": sparse_attention_reference},
@@ -21,7 +34,8 @@ REGISTRY = BackendRegistry(
 REGISTRY.register_optional(
     "pallas", "pallas_kernels.sparse_attention",
     ("sparse_attention_forward_pallas", "sparse_attention_backward_pallas"),
-    wrap=lambda forward, backward: functools.partial(attention_with_saved_residuals, forward, backward))
+    wrap=lambda forward, backward: functools.partial(attention_with_saved_residuals, forward, backward),
+    kernel=lambda kernels, hopper: _pallas_kernel(kernels.Config(), hopper))
 
 
 def sparse_attention(
