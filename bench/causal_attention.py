@@ -1,8 +1,8 @@
 """The dense warm-up's attention on one GPU: `ops.causal_attention` forward + backward per backend.
 
-    python bench/causal_attention.py                                  # H 64, 256/256, T 16K and 64K
-    python bench/causal_attention.py --heads 24 --kv-heads 2 --seq 65536   # QSA's GQA
-    python bench/causal_attention.py --smoke --out /tmp/smoke.json    # tiny, on the CPU, in seconds
+    python -m bench.causal_attention                                  # H 64, 256/256, T 16K and 64K
+    python -m bench.causal_attention --heads 24 --kv-heads 2 --seq 65536   # QSA's GQA
+    python -m bench.causal_attention --smoke --out /tmp/smoke.json    # tiny, on the CPU, in seconds
 
 Shape: batch 1, bf16, `--heads` query heads over `--kv-heads` key/value heads of 256 (GLM-5.1's
 non-absorbed MLA: 192 + 64 = 256 and v 256), two packed documents (segment ids 0 | 1 at T/2).
@@ -15,17 +15,15 @@ at T 16K, N 64) and is skipped when they would pass `--baseline-gib`; an out-of-
 
 import argparse
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, ".")
-sys.path.insert(0, "bench")
-from hyscale_jax import ops  # noqa: E402
-from hyscale_jax.ops.causal_attention.reference import attend_with_saved_residuals  # noqa: E402
-from timing import against_first, timed_or_report, write_rows  # noqa: E402
+from bench.common import write_rows
+from bench.timing import against_first, timed_or_report
+from hyscale_jax import ops
+from hyscale_jax.ops.causal_attention.reference import attend_with_saved_residuals
 
 
 def _inputs(T, N, K, H, Hv, dtype):

@@ -1,8 +1,8 @@
 """Trace + compile time of the train step against depth, layers scanned or unrolled (issue 19).
 
-    python bench/compile_time.py --out bench/results/compile_time.json            # 4 vs 78 layers, scan on and off
-    python bench/compile_time.py --scan on --out bench/results/compile_time.json  # the scanned path only
-    python bench/compile_time.py --smoke --out /tmp/compile_time.json             # 2 vs 6 layers, CPU seconds
+    python -m bench.compile_time --out bench/results/compile_time.json            # 4 vs 78 layers, scan on and off
+    python -m bench.compile_time --scan on --out bench/results/compile_time.json  # the scanned path only
+    python -m bench.compile_time --smoke --out /tmp/compile_time.json             # 2 vs 6 layers, CPU seconds
 
 The model is GLM-5.1 at the `tiny` widths (configs/glm5_1.py) with the real layer pattern of the
 `full` config (78 layers, first_k_dense 3, its IndexShare settings; `--index-topk-freq` overrides
@@ -22,8 +22,6 @@ machine, 2026-12-04): scanned 5.5 s at 4 layers, 7.6 s at 78 (1.38x); unrolled 5
 
 import argparse
 import dataclasses
-import datetime
-import json
 import sys
 import time
 
@@ -31,14 +29,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bench.common import log, write_json
 from configs import glm5_1
 from hyscale_jax import models
 from hyscale_jax.model_config import ModelConfig
 from hyscale_jax.training import layer_stacks
-
-
-def _log(*args):
-  print(f"[{datetime.datetime.now().strftime('%H:%M:%S')}]", *args, flush=True)
 
 
 def model_config(n_layers: int, *, scan: bool, index_topk_freq: int | None = None) -> ModelConfig:
@@ -98,7 +93,7 @@ def main(argv=None):
       row = dict(n_layers=n_layers, scan_layers=scan, first_k_dense=cfg.first_k_dense,
                  index_topk_freq=cfg.index_topk_freq, index_topk_offset=cfg.index_topk_offset,
                  **step_time(cfg, batch=args.batch, seq=args.seq, coeff=coeff))
-      _log(f"scan={scan} layers={n_layers}: trace+lower {row['trace_lower_s']:.1f} s, compile {row['compile_s']:.1f} s")
+      log(f"scan={scan} layers={n_layers}: trace+lower {row['trace_lower_s']:.1f} s, compile {row['compile_s']:.1f} s")
       rows.append(row)
   ratios = {}
   for scan in scans:
@@ -110,12 +105,11 @@ def main(argv=None):
           f"{r['total_s']:>8.2f}")
   for name, ratio in ratios.items():
     print(f"{name}: {depths[1]} layers / {depths[0]} layers = {ratio:.2f}x")
-  data = dict(command=" ".join(["python", "bench/compile_time.py", *(sys.argv[1:] if argv is None else argv)]),
+  data = dict(command=" ".join(["python -m bench.compile_time", *(sys.argv[1:] if argv is None else argv)]),
               backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
               batch=args.batch, seq=args.seq, depths=list(depths), rows=rows, deep_over_shallow=ratios)
-  with open(args.out, "w") as f:
-    json.dump(data, f, indent=1)
-  _log(f"wrote {args.out}")
+  write_json(args.out, data)
+  log(f"wrote {args.out}")
   return data
 
 

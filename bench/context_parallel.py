@@ -1,8 +1,9 @@
 """Context parallelism's shard_map path on every local device: ops and train.py steps against one device.
 
-  python bench/context_parallel.py --out bench/results/context_parallel.json      # H200 (1 device), ~3 min
+  python -m bench.context_parallel --out bench/results/context_parallel.json      # H200 (1 device), ~3 min
   XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
-      python bench/context_parallel.py --smoke                                    # 8 fake CPU devices
+      python -m bench.context_parallel --smoke                                    # 8 fake CPU devices
+  python -m bench.context_parallel --smoke --out /tmp/context_parallel.json      # one CPU device
 
 Over a `context` mesh axis of all local devices (size 1 on one H200: the shard_map lowering still
 runs, each op on its one shard with the shard's `q_offset`), it checks and times:
@@ -12,7 +13,8 @@ runs, each op on its one shard with the shard's `q_offset`), it checks and times
    within f32 tolerance of the single-device call (dk/dv use f32 atomics on the GPU);
 3. the sparse indexer loss and its gradients under the ambient mesh (`jax.set_mesh`);
 4. `train.py`'s loop (`lm.train_and_evaluate`) on configs/glm5_1.py:tiny with `mesh.context=-1`:
-   losses within 1e-4 relative of the run without a mesh, and the step time of each.
+   losses within 1e-4 relative of the run without a mesh, and the step time of each (`--smoke`: one
+   layer of the tests' CPU-sized GLM-5.1, two sparse steps).
 On one device the ops and the train step take the shard_map path only under
 `ops._context.shard_map_on_one_device()` (a 1-way split is otherwise skipped); the script uses it
 and counts the shard_map calls traced into the train step. It exits 1 if any check fails.
@@ -22,31 +24,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
+import shutil
 import sys
 import tempfile
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(_HERE, ".."), _HERE]
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType  # noqa: E402
-
-from timing import timed  # noqa: E402
-from hyscale_jax import ops, parallel  # noqa: E402
-from hyscale_jax.ops import _context  # noqa: E402
+from bench.common import log, write_json
+from bench.timing import timed
+from hyscale_jax import ops, parallel
+from hyscale_jax.ops import _context
 
 # GLM-5.1's indexer and absorbed MLA (MQA 576/512) at T=16K on the GPU; small on CPU.
 GPU_DIMS = dict(B=1, T=16384, HI=32, DI=128, topk=2048, H=64, Dk=576, Dv=512, K=2048)
 SMOKE_DIMS = dict(B=2, T=256, HI=4, DI=32, topk=16, H=4, Dk=48, Dv=32, K=16)
-
-
-def log(msg: str) -> None:
-  print(msg, flush=True)
 
 
 def _max_rel(a, b) -> float:
@@ -146,14 +142,17 @@ def _train_config(workdir_root, smoke, **mesh):
   from configs import glm5_1  # noqa: PLC0415
 
   config = glm5_1.get_config("tiny")
-  if smoke:  # the tests' CPU-sized GLM-5.1
-    config.model.update(d_model=32, n_layers=2, first_k_dense=1, dense_inter=32, n_heads=2, q_lora_rank=16,
+  if smoke:  # the tests' CPU-sized GLM-5.1, one layer
+    config.model.update(d_model=32, n_layers=1, first_k_dense=1, dense_inter=32, n_heads=2, q_lora_rank=16,
                         kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=16, n_routed_experts=4,
                         experts_per_token=2, moe_inter=16, index_n_heads=2, index_head_dim=16, index_rope_dim=8,
-                        index_topk=8, vocab_size=512)
-    config.data.update(vocab_size=512, seq_len=64, batch_size=2)
-  config.data.update(source="pydoc", cache_dir=os.path.join(workdir_root, "data"))
+                        index_topk=8, vocab_size=2048)
+    config.data.update(vocab_size=2048, seq_len=64, batch_size=2)  # the pydoc tokenizer .data/ keeps
+  data_dir = os.environ.get("HYSCALE_DATA_DIR") or os.path.join(workdir_root, "data")  # the tokenizer, built once
+  config.data.update(source="pydoc", cache_dir=data_dir)
   config.train.update(steps=6, warmup_steps=2, log_every=1, checkpoint_every=100, progress_bar=False)
+  if smoke:  # two sparse steps, validated once at the end, no checkpoint: no dense-stage programs
+    config.train.update(steps=2, warmup_steps=0, eval_every=2, checkpoint_every=0)
   config.mesh.update(mesh)
   return config
 
@@ -183,6 +182,7 @@ def check_training(smoke: bool) -> list[dict]:
           + ", ".join(f"{r['loss']:.5f}" for r in rows))
   finally:
     _context.run_sequence_sharded = real
+    shutil.rmtree(root, ignore_errors=True)
   one, cp = runs["no mesh"], runs["mesh context=-1"]
   rel = max(abs(b[key] - a[key]) / max(abs(a[key]), 1e-12)
             for a, b in zip(one["rows"], cp["rows"]) for key in ("loss", "lm_loss", "indexer_loss"))
@@ -193,7 +193,7 @@ def check_training(smoke: bool) -> list[dict]:
                shard_map_calls=cp["shard_map_calls"], seconds=cp["step_s"], losses=[r["loss"] for r in cp["rows"]])]
 
 
-def main() -> None:
+def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--smoke", action="store_true", help="small shapes (CPU, 8 fake devices or 1)")
   parser.add_argument("--out", default=None, help="JSON of every row")
@@ -204,7 +204,7 @@ def main() -> None:
   parser.add_argument("--attn-dtype", default="float32", choices=("float32", "bfloat16"),
                       help="q/k/v dtype of the attention and indexer-loss checks (tolerance 1e-4 / 2e-2)")
   parser.add_argument("--skip-train", action="store_true")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   devices = jax.devices()
   n, platform = len(devices), devices[0].platform
   backend = args.backend or ("pallas" if platform == "gpu" else "reference")
@@ -242,11 +242,7 @@ def main() -> None:
       log(f"  {r['check']:<32} {r['layout']:<26} {secs} {status:<4} {detail if detail else ''}")
     log(f"  ({time.perf_counter() - t0:.1f}s)")
     rows.extend(new)
-    if args.out:
-      os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-      with open(args.out, "w") as f:
-        json.dump(dict(devices=n, platform=platform, backend=backend, dims=dims, rows=rows), f, indent=1,
-                  default=str)
+    write_json(args.out, dict(devices=n, platform=platform, backend=backend, dims=dims, rows=rows))
   failed = [r for r in rows if r.get("ok") is False]
   log(f"{len(rows) - len(failed)} rows, {len(failed)} failed, {time.perf_counter() - t_start:.0f}s")
   sys.exit(1 if failed else 0)

@@ -1,7 +1,7 @@
 """Memory and communication plan for a config at long context on N GPUs, from the real model shapes.
 
-  python bench/context_plan.py --config configs/glm5_1.py:full --seq 1048576 --gpus 8 32 512
-  python bench/context_plan.py --smoke --out /tmp/smoke.json   # the tiny config, in seconds
+  python -m bench.context_plan --config configs/glm5_1.py:full --seq 1048576 --gpus 8 32 512
+  python -m bench.context_plan --smoke --out /tmp/smoke.json   # the tiny config, in seconds
 
 Mesh per GPU count: context parallelism over `min(N, --max-context)` devices (the sequence is split
 zigzag; keys are all-gathered), and the remaining factor as expert parallelism for the MoE, with
@@ -14,16 +14,14 @@ abstract shapes (`models.count_params`' method); nothing is allocated.
 import argparse
 import collections
 import importlib
-import json
-import sys
 
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, ".")
-from hyscale_jax import models  # noqa: E402
-from hyscale_jax.model_config import ModelConfig  # noqa: E402
-from hyscale_jax.training.memory import estimate_training_memory  # noqa: E402
+from bench.common import write_json
+from hyscale_jax import models
+from hyscale_jax.model_config import ModelConfig
+from hyscale_jax.training.memory import estimate_training_memory
 
 BF16, F32, I32 = 2, 4, 4
 
@@ -84,15 +82,15 @@ def plan(cfg: ModelConfig, T: int, gpus: int, max_context: int):
               step_moved_bytes=cfg.n_layers * sum(moved.values()))
 
 
-def main():
-  parser = argparse.ArgumentParser()
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="configs/glm5_1.py:full")
   parser.add_argument("--seq", type=int, default=1 << 20)
   parser.add_argument("--gpus", type=int, nargs="+", default=[8, 32, 512])
   parser.add_argument("--max-context", type=int, default=64)
   parser.add_argument("--out", default=None)
   parser.add_argument("--smoke", action="store_true", help="the tiny GLM at 4096 tokens on 8 GPUs, in seconds")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   if args.smoke:
     args.config, args.seq, args.gpus, args.max_context = "configs/glm5_1.py:tiny", 4096, [8], 8
   cfg = load_config(args.config)
@@ -109,9 +107,7 @@ def main():
   print("| **all layers: held (saved + params + state)** | " + " | ".join(gb(r["model_held_bytes"]) for r in rows) + " |")
   print("| train.py's preflight estimate (whole step) | " + " | ".join(gb(r["preflight_estimate_bytes"]) for r in rows) + " |")
   print("| **all layers: moved per step** | " + " | ".join(gb(r["step_moved_bytes"]) for r in rows) + " |")
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(rows, f, indent=1, default=float)
+  write_json(args.out, rows)
 
 
 if __name__ == "__main__":

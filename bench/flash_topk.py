@@ -2,20 +2,20 @@
 
 Run on the H200 (one call per mode; every figure in a table comes from the same process):
 
-  python bench/flash_topk.py check                 # GPU correctness: bit-exact on integer inputs
-  python bench/flash_topk.py tune --seq 16384      # main-pass configs at one shape
-  python bench/flash_topk.py tune --only ceiling ceiling_fp8   # the main pass alone, bf16 against fp8
-  python bench/flash_topk.py tune --only ceiling ceiling_mgpu  # Triton's main pass against the Mosaic GPU scoring
-  python bench/flash_topk.py table --shapes dsa16k dsa64k --only ceiling ceiling_mgpu --mgpu-config '{"block_q": 2}'
-  python bench/flash_topk.py tune --config '{"block_k": 128}'   # the listed configs with these fields
-  python bench/flash_topk.py select --seq 16384    # the finish's selection kernel: rows per program x warps
-  python bench/flash_topk.py rescore --seq 131072  # the Mosaic pass's rescoring alone: layouts x blocks x warps
-  python bench/flash_topk.py table --shapes dsa128k --only pallas_unsorted pallas_mosaic_unsorted xla_baseline
-  python bench/flash_topk.py table --shapes dsa16k dsa64k glm64k --out flash_topk.json
-  python bench/flash_topk.py table --shapes dsa16k --only pallas pallas_fp8 xla_baseline   # bf16 vs fp8
-  python bench/flash_topk.py table --shapes dsa16k --only pallas pallas_unsorted   # the winners' sort's cost
-  python bench/flash_topk.py table --shapes dsa64k --only pallas pallas_segments_unsorted pallas_segments_triton_unsorted
-  python bench/flash_topk.py table --smoke --out /tmp/smoke.json   # tiny shapes on CPU (interpret), seconds
+  python -m bench.flash_topk check                 # GPU correctness: bit-exact on integer inputs
+  python -m bench.flash_topk tune --seq 16384      # main-pass configs at one shape
+  python -m bench.flash_topk tune --only ceiling ceiling_fp8   # the main pass alone, bf16 against fp8
+  python -m bench.flash_topk tune --only ceiling ceiling_mgpu  # Triton's main pass against the Mosaic GPU scoring
+  python -m bench.flash_topk table --shapes dsa16k dsa64k --only ceiling ceiling_mgpu --mgpu-config '{"block_q": 2}'
+  python -m bench.flash_topk tune --config '{"block_k": 128}'   # the listed configs with these fields
+  python -m bench.flash_topk select --seq 16384    # the finish's selection kernel: rows per program x warps
+  python -m bench.flash_topk rescore --seq 131072  # the Mosaic pass's rescoring alone: layouts x blocks x warps
+  python -m bench.flash_topk table --shapes dsa128k --only pallas_unsorted pallas_mosaic_unsorted xla_baseline
+  python -m bench.flash_topk table --shapes dsa16k dsa64k glm64k --out flash_topk.json
+  python -m bench.flash_topk table --shapes dsa16k --only pallas pallas_fp8 xla_baseline   # bf16 vs fp8
+  python -m bench.flash_topk table --shapes dsa16k --only pallas pallas_unsorted   # the winners' sort's cost
+  python -m bench.flash_topk table --shapes dsa64k --only pallas pallas_segments_unsorted pallas_segments_triton_unsorted
+  python -m bench.flash_topk table --smoke --out /tmp/smoke.json   # tiny shapes on CPU (interpret), seconds
 
 FLOPs are causal-effective: 2·H·D per visible (query, key) pair. "ceiling" is the same main pass with
 the threshold at +inf, so it scores and masks every visible pair and selects nothing: the cost of
@@ -48,21 +48,19 @@ import argparse
 import dataclasses
 import functools
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, ".")
-sys.path.insert(0, "bench")
-from hyscale_jax import ops  # noqa: E402
-from hyscale_jax.ops.flash_topk import pallas as topk_pallas  # noqa: E402
-from hyscale_jax.ops.flash_topk import quantize_fp8  # noqa: E402
-from hyscale_jax.ops.flash_topk.reference import fold_q_scale, key_factor  # noqa: E402
-from hyscale_jax.ops.flash_topk.pallas import flash_topk_pallas_with_stats  # noqa: E402
-from pallas_kernels.flash_topk import Config, flash_topk_candidates, select_candidates  # noqa: E402
-from timing import timed  # noqa: E402
+from bench.common import write_json
+from bench.timing import timed
+from hyscale_jax import ops
+from hyscale_jax.ops.flash_topk import pallas as topk_pallas
+from hyscale_jax.ops.flash_topk import quantize_fp8
+from hyscale_jax.ops.flash_topk.pallas import flash_topk_pallas_with_stats
+from hyscale_jax.ops.flash_topk.reference import fold_q_scale, key_factor
+from pallas_kernels.flash_topk import Config, flash_topk_candidates, select_candidates
 
 # name -> (T, H, D, topk, compress_ratio, weights?)
 SHAPES = {
@@ -481,8 +479,8 @@ def run_table(shapes, config, reps, skip, mgpu_config=None, doc_len=8192):
   return rows
 
 
-def main():
-  parser = argparse.ArgumentParser()
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("mode", nargs="?", default="table", choices=("check", "tune", "breakdown", "select", "rescore", "memory",
                                                                      "table"))
   parser.add_argument("--seq", type=int, default=16384)
@@ -495,7 +493,7 @@ def main():
   parser.add_argument("--doc-len", type=int, default=8192, help="table: document length of the pallas_packed variants")
   parser.add_argument("--out", default=None)
   parser.add_argument("--smoke", action="store_true", help="the table at a tiny shape on any device, in seconds")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   if args.smoke:
     args.mode, args.shapes, args.reps = "table", ["smoke"], 1
   print(jax.devices(), flush=True)
@@ -536,9 +534,7 @@ def main():
                         "pallas_packed_triton_unsorted",
                         "ceiling", "ceiling_fp8", "ceiling_mgpu", "xla_baseline_fp8"}}
     rows = run_table(args.shapes, Config(**args.config), args.reps, skip, args.mgpu_config, args.doc_len)
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(rows, f, indent=1)
+  write_json(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Gated DeltaNet's recurrence on one GPU: `ops.gated_delta_rule` forward, and forward + backward, per backend.
 
-    python bench/gated_delta_rule.py --out /tmp/gdr.json           # Qwen3.8-Flash-Next heads, T 16K and 64K
-    python bench/gated_delta_rule.py --chunk 128 --seq 65536        # another chunk length
-    python bench/gated_delta_rule.py --backends reference pallas xla_baseline --seq 4096
-    python bench/gated_delta_rule.py --pallas-configs 16,4,1 64,8,1 32,4,2  # kernel tiles to compare
-    python bench/gated_delta_rule.py --smoke --out /tmp/smoke.json  # tiny, on the CPU (pallas interpreted)
+    python -m bench.gated_delta_rule --out /tmp/gdr.json           # Qwen3.8-Flash-Next heads, T 16K and 64K
+    python -m bench.gated_delta_rule --chunk 128 --seq 65536        # another chunk length
+    python -m bench.gated_delta_rule --backends reference pallas xla_baseline --seq 4096
+    python -m bench.gated_delta_rule --pallas-configs 16,4,1 64,8,1 32,4,2  # kernel tiles to compare
+    python -m bench.gated_delta_rule --smoke --out /tmp/smoke.json  # tiny, on the CPU (pallas interpreted)
 
 Shape: batch 1, bf16 q/k/v/beta and f32 g, Qwen3.8-Flash-Next's 16 q/k heads and 48 value heads of
 128, two packed documents (segment ids 0 | 1 at T/2), unit-norm keys, XLA's default f32 matmul
@@ -22,17 +22,15 @@ forward, the backward counted as twice the forward. One H200 call at the default
 
 import argparse
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, ".")
-sys.path.insert(0, "bench")
-from hyscale_jax import ops  # noqa: E402
-from hyscale_jax.ops.gated_delta_rule import REGISTRY  # noqa: E402
-from timing import timed, write_rows  # noqa: E402
+from bench.common import error_text, write_rows
+from bench.timing import timed
+from hyscale_jax import ops
+from hyscale_jax.ops.gated_delta_rule import REGISTRY
 
 
 def _inputs(T, Hk, Hv, Dk, Dv, dtype):
@@ -77,7 +75,7 @@ def _row(backend, T, name, step, inputs, flops, reps, want):
     seconds = timed(step, *inputs, reps=reps)
     outputs = [np.float32(x) for x in step(*inputs)]
   except Exception as e:  # noqa: BLE001 (a kernel that does not compile, or an OOM, is a row)
-    row["error"] = f"{'OOM' if 'RESOURCE_EXHAUSTED' in str(e) else type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    row["error"] = error_text(e)
     print(f"{backend:16s} T {T:6d} {name:8s}: {row['error']}", flush=True)
     return row, None
   row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12)

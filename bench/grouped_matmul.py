@@ -1,8 +1,8 @@
 """The MoE's grouped matmul at real shapes: forward, dx and dW, against `lax.ragged_dot` and torch (issue 19).
 
-    python bench/grouped_matmul.py --out bench/results/grouped_matmul.json            # the H200 run
-    python bench/grouped_matmul.py --shapes glm5_16k glm5_16k_zipf --out ...         # a subset
-    python bench/grouped_matmul.py --smoke --out /tmp/gmm.json                         # CPU, reference only
+    python -m bench.grouped_matmul --out bench/results/grouped_matmul.json            # the H200 run
+    python -m bench.grouped_matmul --shapes glm5_16k glm5_16k_zipf --out ...         # a subset
+    python -m bench.grouped_matmul --smoke --out /tmp/gmm.json                         # CPU, reference only
 
 Shapes (bf16, the `full` configs; M = tokens x top-k routed rows, G = experts):
 - `glm5_16k`, `glm5_64k`: GLM-5.1 (D 6144, F 2048, E 256, top-8) at 16K and 64K tokens;
@@ -50,15 +50,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, ".")
-sys.path.insert(0, "bench")
+from bench.common import Results, is_oom, poison  # noqa: E402
+from bench.timing import timed  # noqa: E402
 from hyscale_jax import ops  # noqa: E402
 from hyscale_jax.ops.grouped_matmul import (  # noqa: E402
     grouped_matmul_reference,
     transposed_grouped_matmul_reference,
 )
-from layer_step import Results, is_oom, poison  # noqa: E402
-from timing import timed  # noqa: E402
 
 # name -> (tokens, D, F, E, top-k, load)
 SHAPES = {
@@ -272,11 +270,10 @@ def torch_rows(cases, reps):
 
 _BASELINE = r"""
 import json, sys
-sys.path.insert(0, "."); sys.path.insert(0, "bench")
-import grouped_matmul as bench
+from bench import grouped_matmul as gmm
 name, pass_name, reps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-shape = bench.SHAPES[name]
-row = bench.run_one(name, shape, pass_name, "ragged_dot", bench.make_inputs(*shape, bench.jnp.bfloat16), reps, 2e-2)
+shape = gmm.SHAPES[name]
+row = gmm.run_one(name, shape, pass_name, "ragged_dot", gmm.make_inputs(*shape, gmm.jnp.bfloat16), reps, 2e-2)
 print("ROW" + json.dumps(row))
 """
 
@@ -295,7 +292,7 @@ def ragged_dot_row(name, pass_name, reps, timeout_s):
   return json.loads(lines[-1][3:])
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default="bench/results/grouped_matmul.json")
   parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -308,7 +305,7 @@ def main():
                       choices=["pallas", "jax_mgpu", "ragged_dot", "torch"], help="which rows to run (with --append, in parts)")
   parser.add_argument("--baseline-timeout", type=int, default=90, help="seconds for each ragged_dot row's process")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, reference backend only")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   logging.basicConfig(format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
   logging.getLogger("pallas_kernels").setLevel(logging.INFO)  # each autotuned config as it is measured
   if args.smoke:
@@ -354,9 +351,7 @@ def main():
     if row["backend"] == "torch_grouped_mm":
       print(json.dumps(row), flush=True)
       results.add(row)
-  if results.path:  # the ratios filled in above, on rows already written
-    with open(results.path, "w") as f:
-      json.dump(results.data, f, indent=1)
+  results.write()  # the ratios filled in above, on rows already written
 
 if __name__ == "__main__":
   main()

@@ -1,9 +1,9 @@
 """One attention block at real dimensions, forward + backward under remat, in every step mode (issue 9).
 
-    python bench/layer_step.py run --layers dsa --seq 16384 131072 --out bench/results/layer_step.json
-    python bench/layer_step.py run --layers csa qsa --seq 65536 --append --out bench/results/layer_step.json
-    python bench/layer_step.py plot --out bench/results/layer_step.json   # PNGs under bench/plots/
-    python bench/layer_step.py run --smoke --layers dsa --modes megatron_style hyscale --out /tmp/smoke.json
+    python -m bench.layer_step run --layers dsa --seq 16384 131072 --out bench/results/layer_step.json
+    python -m bench.layer_step run --layers csa qsa --seq 65536 --append --out bench/results/layer_step.json
+    python -m bench.layer_step plot --out bench/results/layer_step.json   # PNGs under bench/plots/
+    python -m bench.layer_step run --smoke --layers dsa --modes megatron_style hyscale --out /tmp/smoke.json
 
 Layers (the `full` configs, batch 1, bf16 parameters and activations):
 - `dsa`: GLM-5.1 MLA + DSA (d 6144, 64 heads, absorbed 576/512, indexer 32 x 128, k = 2048).
@@ -47,11 +47,9 @@ step (O(T^2) selection twice and a rescoring loss backward).
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import os
-import sys
 import time
 
 # The largest lengths need most of the GPU: JAX's default preallocation is 75% of it.
@@ -62,8 +60,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-sys.path.insert(0, ".")
-sys.path.insert(0, "bench")
+from bench.common import Results, compiled_memory, is_oom, log, poison, rel_err  # noqa: E402
+from bench.timing import CompileAhead, timed  # noqa: E402
 from configs import deepseek_v4_flash, glm5_1, qwen3_8_flash_next  # noqa: E402
 from hyscale_jax import ops, remat  # noqa: E402
 from hyscale_jax.layers.compressed_attention import CompressedSparseAttention, window_indices  # noqa: E402
@@ -74,17 +72,12 @@ from hyscale_jax.models import DecoderLayer  # noqa: E402
 from hyscale_jax.ops.flash_topk.api import REGISTRY as TOPK_REGISTRY  # noqa: E402
 from hyscale_jax.ops.sparse_attention.api import REGISTRY as ATTENTION_REGISTRY  # noqa: E402
 from hyscale_jax.training import step_modes  # noqa: E402
-from timing import CompileAhead, timed  # noqa: E402
 
 LAYERS = {"dsa": glm5_1, "csa": deepseek_v4_flash, "qsa": qwen3_8_flash_next, "glm": glm5_1}
 # The attention kind inside each layer kind (`glm` is a whole decoder layer around a `dsa` block).
 ATTENTION_KIND = {"dsa": "dsa", "csa": "csa", "qsa": "qsa", "glm": "dsa"}
 DEFAULT_SEQ = (16384, 32768, 65536, 131072, 262144, 524288, 1048576)
 PLOTS = "bench/plots"
-
-
-def _log(*args):
-  print(f"[{datetime.datetime.now().strftime('%H:%M:%S')}]", *args, flush=True)
 
 
 def config_variant(args) -> str:
@@ -147,7 +140,7 @@ class LayerBlock(nnx.Module):
 
   def __call__(self, x, backends):
     B, T, _ = x.shape
-    out, _, indexer_loss, _ = self.layer(x, *_positions_and_segments(B, T), backends=backends)
+    out, _, indexer_loss, *_ = self.layer(x, *_positions_and_segments(B, T), backends=backends)
     return out, indexer_loss
 
 
@@ -322,47 +315,6 @@ def breakdown(kind, mode, cfg, T, times, step_s):
 # The run.
 
 
-def poison(tree):
-  """Fills, then frees, NaN buffers the size of `tree`'s arrays, for the allocator to hand out next."""
-  for a in jax.tree.leaves(tree):
-    jnp.full(a.shape, jnp.nan, a.dtype).block_until_ready().delete()
-
-
-def rel_err(a, b):
-  num = sum(float(jnp.sum(jnp.square(x.astype(jnp.float32) - y.astype(jnp.float32))))
-            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-  den = sum(float(jnp.sum(jnp.square(y.astype(jnp.float32)))) for y in jax.tree.leaves(b))
-  return float(np.sqrt(num / max(den, 1e-30)))
-
-
-def is_oom(err: Exception) -> bool:
-  text = str(err)
-  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
-
-
-def peak_gb(compiled) -> float:
-  m = compiled.memory_analysis()
-  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes) / 1e9
-
-
-class Results:
-  """Rows written to `path` after each one (JSON: device, date, rows)."""
-
-  def __init__(self, path, append):
-    self.path = path
-    self.data = dict(device=jax.devices()[0].device_kind, date=datetime.date.today().isoformat(), rows=[])
-    if append and path and os.path.exists(path):
-      with open(path) as f:
-        self.data["rows"] = json.load(f)["rows"]
-
-  def add(self, row):
-    self.data["rows"].append(row)
-    if self.path:
-      os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-      with open(self.path, "w") as f:
-        json.dump(self.data, f, indent=1)
-
-
 def ablation_applies(kind: str, T: int, mode: str, variant: str) -> bool:
   """False for a `+replay+<opt>` line whose optimization this layer never uses at this T (a duplicate)."""
   if mode not in step_modes.ABLATIONS:
@@ -402,10 +354,10 @@ def run_layer(kind, T, modes, args, programs, results, tolerance):
                ops=step_modes.settings(mode)[0],
                resolved=dict(flash_topk=_resolve(TOPK_REGISTRY, step_modes.settings(mode)[0]["flash_topk"]),
                              sparse_attention=_resolve(ATTENTION_REGISTRY, "auto")))
-    _log(f"{kind} T={T} {mode}: waiting for its compile")
+    log(f"{kind} T={T} {mode}: waiting for its compile")
     try:
       compiled = programs.get((kind, T, f"step[{mode}]"))
-      row["peak_gb"] = peak_gb(compiled)
+      row["peak_gb"] = compiled_memory(compiled)["total_bytes"] / 1e9
       state = nnx.split(Block(kind, cfg))[1]  # the same weights in every mode (fixed seeds)
       if reference is not None:
         poison(reference)
@@ -436,15 +388,15 @@ def run_layer(kind, T, modes, args, programs, results, tolerance):
       if not is_oom(err):
         raise
       row["step_s"] = "OOM"
-      _log(f"{kind} T={T} {mode}: OOM ({str(err).splitlines()[0][:160]})")
+      log(f"{kind} T={T} {mode}: OOM ({str(err).splitlines()[0][:160]})")
     if isinstance(row["step_s"], float) and not args.no_breakdown:
       if times is None:
-        _log(f"{kind} T={T}: timing the parts alone")
+        log(f"{kind} T={T}: timing the parts alone")
         times = part_times(kind, variant, x, modes, args, programs)
       if times:
         row["parts_s"], row["counts"] = breakdown(kind, mode, cfg, T, times, row["step_s"])
     row["parts_alone_s"] = times
-    _log(_describe(row))
+    log(_describe(row))
     results.add(row)
     rows.append(row)
   return rows
@@ -466,7 +418,7 @@ def part_times(kind, variant, x, modes, args, programs):
   except Exception as err:  # noqa: BLE001
     if not is_oom(err):
       raise
-    _log(f"{kind} T={x.shape[1]}: parts OOM")
+    log(f"{kind} T={x.shape[1]}: parts OOM")
     return {}
   times["attention_bwd"] = max(times["attention_fwd_bwd"] - times["attention_fwd"], 0.0)
   return times
@@ -492,12 +444,12 @@ def _describe(row):
 def run(args):
   modes = list(args.modes) + (list(step_modes.ABLATIONS) if args.ablation else [])
   if modes[0] != "megatron_style":
-    _log(f"note: speedups are relative to the first mode, {modes[0]!r}")
+    log(f"note: speedups are relative to the first mode, {modes[0]!r}")
   for mode in modes:
     step_modes.settings(mode)  # a bad name fails before any compile
   seqs = [128] if args.smoke else args.seq
-  _log(f"device {jax.devices()[0].device_kind}; layers {args.layers}; T {seqs}; modes {modes}")
-  _log(f"sparse attention in every mode: the same kernel, backend 'auto' -> {_resolve(ATTENTION_REGISTRY, 'auto')!r}"
+  log(f"device {jax.devices()[0].device_kind}; layers {args.layers}; T {seqs}; modes {modes}")
+  log(f"sparse attention in every mode: the same kernel, backend 'auto' -> {_resolve(ATTENTION_REGISTRY, 'auto')!r}"
        " (only selection, recomputation and the indexer loss's backward differ)")
   results = Results(args.out, args.append)
   tolerance = 0.05  # bf16 steps; different near-tie selections move a few rows
@@ -507,10 +459,10 @@ def run(args):
   try:
     for kind, T, layer_modes in pairs:
       plan_layer(kind, T, layer_modes, args, programs)
-    _log(f"traced {len(programs)} programs; compiling on {args.compile_workers} threads")
+    log(f"traced {len(programs)} programs; compiling on {args.compile_workers} threads")
     # XLA autotunes on the device while it compiles: no timing until every compile is done.
     programs.wait_all()
-    _log("compiled")
+    log("compiled")
     for kind, T, layer_modes in pairs:
       run_layer(kind, T, layer_modes, args, programs, results, tolerance)
   finally:
@@ -600,7 +552,7 @@ def plot(args):
   path = os.path.join(args.plots, f"layer_step_breakdown_{T}.png")
   fig.savefig(path, dpi=110)
   written.append(path)
-  _log("wrote", *written)
+  log("wrote", *written)
   return written
 
 

@@ -1,7 +1,7 @@
 """The memory preflight's estimate against measured peaks: train.py's own step, one fresh process per config.
 
-  python bench/memory_check.py --out bench/results/memory_check.json          # H200, about 6 minutes
-  python bench/memory_check.py --smoke --out /tmp/memory_check_smoke.json     # CPU, seconds
+  python -m bench.memory_check --out bench/results/memory_check.json          # H200, about 6 minutes
+  python -m bench.memory_check --smoke --out /tmp/memory_check_smoke.json     # CPU, seconds
 
 For each configuration a child process (so no peak carries over) builds the step exactly as
 `train.py` does (`lm.setup`, `lm.memory_preflight`, `lm.build_training`: the same model, optimizer,
@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.common import compiled_memory, write_json
 
 GiB = 2**30
 DATA_VOCAB = 2048  # the pydoc BPE; every model's vocabulary is at least this
@@ -59,7 +59,7 @@ def device_cases() -> list[dict]:
       _case("glm5_1 2L mid", glm, "full", 65536, "selection_replay", _GLM_MID),
       _case("glm5_1 2L mid", glm, "full", 65536, "full", _GLM_MID),
       _case("qwen3_8 2L mid", qwen, "full", 16384, "full", _QWEN_MID),
-      # Last: the V4 sparse-attention row of an earlier bench did not finish in its call (NOTES.md).
+      # Last: the V4 sparse-attention row of an earlier bench did not finish in its call .
       _case("deepseek_v4 3L mid", dsv4, "full", 16384, "selection_replay", _DSV4_MID),
       _case("deepseek_v4 3L mid", dsv4, "full", 16384, "full", _DSV4_MID),
   ]
@@ -94,18 +94,6 @@ def build_config(case: dict, data_dir: str):
                      batch_size=case["batch_size"], cache_dir=data_dir)
   config.train.update(steps=2, warmup_steps=0, progress_bar=False)
   return config
-
-
-def _memory_analysis(compiled) -> dict:
-  ma = compiled.memory_analysis()
-  if ma is None:
-    return {}
-  fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-            "generated_code_size_in_bytes")
-  out = {f: int(getattr(ma, f, 0) or 0) for f in fields}
-  out["total_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"] - out["alias_size_in_bytes"]
-                        + out["temp_size_in_bytes"])
-  return out
 
 
 def run_case(case: dict, data_dir: str, force: bool) -> dict:
@@ -144,7 +132,7 @@ def run_case(case: dict, data_dir: str, force: bool) -> dict:
     t0 = time.perf_counter()
     compiled = training.train_step.lower(training.state, batches[0], dense=False).compile()
     result["compile_s"] = time.perf_counter() - t0
-    result["memory_analysis"] = _memory_analysis(compiled)
+    result["memory_analysis"] = compiled_memory(compiled)
     state, losses, step_s = training.state, [], []
     for batch in batches:
       t0 = time.perf_counter()
@@ -217,7 +205,7 @@ def _format(row: dict) -> str:
 HEADER = (f"{'config':<20} {'T':>6} {'remat':<16} {'est GiB':>8} {'peak GiB':>8} {'ratio':>5} {'25%?':<4} status")
 
 
-def main() -> None:
+def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--smoke", action="store_true", help="tiny configs on CPU, seconds")
   parser.add_argument("--out", default="bench/results/memory_check.json", help="JSON, rewritten after each row")
@@ -228,7 +216,7 @@ def main() -> None:
   parser.add_argument("--data-dir", default=os.environ.get("HYSCALE_DATA_DIR") or "/tmp/hyscale_memory_check_data")
   parser.add_argument("--force", action="store_true", help="run cases even when the estimate exceeds the device")
   parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   if args.child is not None:
     child_main(args.child, args.data_dir, args.force)
     return
@@ -245,7 +233,6 @@ def main() -> None:
   t_start = time.perf_counter()
   _prepare_data(args.data_dir)
   print(f"pydoc token cache ready in {args.data_dir} ({time.perf_counter() - t_start:.1f}s)", flush=True)
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   rows = []
   print(HEADER, flush=True)
   for case in cases:
@@ -254,7 +241,7 @@ def main() -> None:
       result = dict(status=f"skipped: budget ({elapsed:.0f}s > {args.budget_s:.0f}s)")
     else:
       timeout = min(args.case_timeout_s, max(args.budget_s + 150 - elapsed, 30))
-      cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(case), "--data-dir", args.data_dir]
+      cmd = [sys.executable, "-m", "bench.memory_check", "--child", json.dumps(case), "--data-dir", args.data_dir]
       cmd += ["--force"] if args.force else []
       t0 = time.perf_counter()
       try:
@@ -271,8 +258,7 @@ def main() -> None:
     row = _row(case, result)
     rows.append(row)
     print(_format(row), flush=True)
-    with open(args.out, "w") as f:
-      json.dump(dict(rows=rows, smoke=args.smoke, wall_s=time.perf_counter() - t_start), f, indent=1)
+    write_json(args.out, dict(rows=rows, smoke=args.smoke, wall_s=time.perf_counter() - t_start))
   ok = [r for r in rows if "ratio" in r]
   print(f"\n{sum(r['within_25pct'] for r in ok)}/{len(ok)} measured configs within 25% "
         f"({time.perf_counter() - t_start:.0f}s); JSON in {args.out}", flush=True)

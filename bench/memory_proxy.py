@@ -1,8 +1,9 @@
 """XLA's buffer assignment for train.py's step at any length, compiled on the CPU without allocating (issue 19).
 
-    python bench/memory_proxy.py --seq 524288 1048576 --set model.attention_query_chunk=32768 \
+    python -m bench.memory_proxy --seq 524288 1048576 --set model.attention_query_chunk=32768 \
         model.ffn_token_chunk=32768
-    python bench/memory_proxy.py --run 2 --seq 1048576 --set ...   # on the GPU: the step itself
+    python -m bench.memory_proxy --run 2 --seq 1048576 --set ...   # on the GPU: the step itself
+    python -m bench.memory_proxy --smoke --out /tmp/proxy.json      # the same two layers at tiny widths
 
 Builds the `glm2` model of bench/model_step.py (GLM-5.1 at the real width, 1 dense + 1 MoE layer of
 64 experts, bf16 parameters, vocab 32768, batch 1) in `--mode` (default `hyscale`) on abstract
@@ -15,6 +16,9 @@ lower for the CPU at these sizes), which stream over query and key chunks much a
 the MoE's grouped matmul runs a stand-in with the kernel's memory (one [M, N] output, [G, K, N]
 weight gradients) instead of `ragged_dot`, whose CPU lowering expands to [E, M, K]. What it shows
 is the full-length [T, D] arrays the layer structure keeps, which both compilers must hold.
+`--out` writes one row per T: the compiled sizes in bytes (bench/common.py's `compiled_memory`) beside
+the preflight's estimate. `--smoke` compiles the same two layers at configs/glm5_1.py's tiny widths at
+T = 256 on the CPU, in seconds.
 """
 
 from __future__ import annotations
@@ -22,10 +26,9 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.common import compiled_memory, write_json
 
 GiB = 2**30
 
@@ -49,16 +52,19 @@ def _register_grouped_stand_in():
   api.REGISTRY.implementations["memory_proxy"] = functools.partial(grouped_with_vjp, forward, transposed)
 
 
-def glm2_config(seq: int, mode: str, experts: int, overrides: list[str]):
-  """bench/model_step.py's `glm2` train.py config at length `seq` in step mode `mode`."""
+def glm2_config(seq: int, mode: str, experts: int, overrides: list[str], variant: str = "full"):
+  """bench/model_step.py's `glm2` train.py config at length `seq` in step mode `mode`; `variant`
+  "tiny": the same two layers (one dense, one MoE) at the tiny config's widths, experts and vocab."""
   import ast  # noqa: PLC0415
 
   from configs import glm5_1  # noqa: PLC0415
 
-  config = glm5_1.get_config("full")
-  config.model.update(n_layers=2, first_k_dense=1, vocab_size=32768, dtype="bfloat16", param_dtype="bfloat16",
-                      n_routed_experts=experts)
-  config.data.update(vocab_size=32768, batch_size=1, seq_len=seq)
+  config = glm5_1.get_config(variant)
+  config.model.update(n_layers=2, first_k_dense=1)
+  if variant == "full":
+    config.model.update(vocab_size=32768, dtype="bfloat16", param_dtype="bfloat16", n_routed_experts=experts)
+    config.data.update(vocab_size=32768)
+  config.data.update(batch_size=1, seq_len=seq)
   config.train.update(warmup_steps=0, steps=2)
   config.step_mode = mode
   for item in overrides:
@@ -170,42 +176,49 @@ def main(argv=None):
   parser.add_argument("--dump", default=None, help="an XLA dump folder (its buffer-assignment text is written)")
   parser.add_argument("--run", type=int, default=0, metavar="STEPS",
                       help="on the accelerator: compile train.py's step and run this many steps (random tokens)")
-  parser.add_argument("--out", default=None, help="--run: a JSON file for the rows")
+  parser.add_argument("--out", default=None, help="a JSON file for the rows")
+  parser.add_argument("--smoke", action="store_true", help="the two layers at the tiny widths, T 256, in seconds")
   args = parser.parse_args(argv)
+  variant = "tiny" if args.smoke else "full"
+  if args.smoke:
+    args.seq = [256]
+  rows = []
   if args.run:
-    import json  # noqa: PLC0415
-
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # as bench/model_step.py
-    rows = []
     for seq in args.seq:
       try:
-        rows.append(run_on_device(glm2_config(seq, args.mode, args.experts, args.set), args.run))
+        rows.append(run_on_device(glm2_config(seq, args.mode, args.experts, args.set, variant), args.run))
       except Exception as e:  # noqa: BLE001 (out of memory is a result)
         rows.append(dict(T=seq, error=f"{type(e).__name__}: {str(e)[:600]}"))
         print(f"T={seq}: {rows[-1]['error']}", flush=True)
-      if args.out:
-        with open(args.out, "w") as f:
-          json.dump(dict(mode=args.mode, set=args.set, rows=rows), f, indent=1)
-    return
+      write_json(args.out, dict(mode=args.mode, set=args.set, rows=rows))
+    return rows
   if args.dump:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.dump}"
                                " --xla_dump_hlo_module_re=.*step.* --xla_dump_hlo_as_text").strip()
   import jax  # noqa: PLC0415
 
   jax.config.update("jax_platforms", "cpu")
+  if args.dump:
+    jax.config.update("jax_enable_compilation_cache", False)  # a program from the persistent cache dumps nothing
   _register_grouped_stand_in()
   from hyscale_jax.training import memory  # noqa: PLC0415
 
   for seq in args.seq:
-    config = glm2_config(seq, args.mode, args.experts, args.set)
+    config = glm2_config(seq, args.mode, args.experts, args.set, variant)
     t0 = time.perf_counter()
     cfg, compiled = lower_step(config)
-    ma = compiled.memory_analysis()
+    sizes = compiled_memory(compiled)
     estimate = memory.estimate_training_memory(cfg, batch_size=1, seq_len=seq, grouped_kernel=True)
-    print(f"T={seq} {args.mode} {' '.join(args.set)}: temporaries {ma.temp_size_in_bytes / GiB:.1f} GiB, "
-          f"arguments {ma.argument_size_in_bytes / GiB:.1f} GiB, outputs {ma.output_size_in_bytes / GiB:.1f} GiB "
-          f"(aliased {ma.alias_size_in_bytes / GiB:.1f}); preflight {estimate.total / GiB:.1f} GiB "
-          f"[{estimate.describe()}]; compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+    row = dict(T=seq, compile_s=time.perf_counter() - t0, estimate_bytes=estimate.total, **sizes)
+    print(f"T={seq} {args.mode} {' '.join(args.set)}: temporaries {sizes['temp_size_in_bytes'] / GiB:.1f} GiB, "
+          f"arguments {sizes['argument_size_in_bytes'] / GiB:.1f} GiB, outputs "
+          f"{sizes['output_size_in_bytes'] / GiB:.1f} GiB (aliased {sizes['alias_size_in_bytes'] / GiB:.1f}); "
+          f"preflight {estimate.total / GiB:.1f} GiB [{estimate.describe()}]; compiled in {row['compile_s']:.0f} s",
+          flush=True)
+    rows.append(row)
+    write_json(args.out, dict(mode=args.mode, set=args.set, variant=variant, compiled_for="cpu", rows=rows))
+  return rows
 
 
 if __name__ == "__main__":

@@ -1,23 +1,20 @@
 """Times the reference backends against the XLA baseline on one device, after checking they agree.
 
-Run on the GPU: `python bench/ops_baseline.py [--seq 8192 16384] [--out results.json]`; `--smoke` runs
+Run on the GPU: `python -m bench.ops_baseline [--seq 8192 16384] [--out results.json]`; `--smoke` runs
 tiny shapes (H=4, D=16, k=32, T=256) on any device in seconds.
 FLOPs are causal-effective: flash_topk counts 2·H·D per visible (query, key) pair; sparse attention
 counts 2·H·K·(Dk + Dv) forward and 2.5x that for forward + backward.
 """
 
 import argparse
-import json
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, ".")
-sys.path.insert(0, "bench")
-from hyscale_jax import ops  # noqa: E402
-from timing import timed  # noqa: E402
+from bench.common import write_rows
+from bench.timing import timed
+from hyscale_jax import ops
 
 
 def bench_flash_topk(T, H=64, D=128, topk=2048, dtype=jnp.bfloat16, reps=5):
@@ -63,12 +60,12 @@ def bench_sparse_attention(T, H=64, Dk=576, Dv=512, K=2048, dtype=jnp.bfloat16, 
                tflops=3.5 * flops / t_fb / 1e12)]
 
 
-def main():
-  parser = argparse.ArgumentParser()
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384])
   parser.add_argument("--out", default="")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device, in seconds")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   topk_dims = dict(H=4, D=16, topk=32) if args.smoke else {}
   attention_dims = dict(H=4, Dk=48, Dv=32, K=32) if args.smoke else {}
   seqs, reps = ([256], 1) if args.smoke else (args.seq, 5)
@@ -83,9 +80,7 @@ def main():
     for r in rows[-4:]:
       print(f"{r['op']:26s} {r['backend']:13s} T={r['T']:6d} {r['seconds']*1e3:10.2f} ms {r['tflops']:8.2f} TFLOP/s",
             flush=True)
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(dict(device=jax.devices()[0].device_kind, agree=agree, rows=rows), f, indent=1)
+  write_rows(args.out, rows, agree=agree)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Sparse attention on one GPU: the Pallas kernels against the reference (XLA gather), and the loss pieces.
 
-    python bench/sparse_attention.py check                      # GPU correctness + dk/dv run-to-run spread (atomic, deterministic)
-    python bench/sparse_attention.py tune --shape mla64 --seq 16384
-    python bench/sparse_attention.py table --shapes mla64 mla128 v4 qsa --seq 16384 65536 --out r.json
-    python bench/sparse_attention.py table --smoke              # tiny shapes on the CPU, in seconds
-    python bench/sparse_attention.py table --shapes mla64 --seq 16384 65536 --deterministic  # + deterministic bwd
+    python -m bench.sparse_attention check                      # GPU correctness + dk/dv run-to-run spread (atomic, deterministic)
+    python -m bench.sparse_attention tune --shape mla64 --seq 16384
+    python -m bench.sparse_attention table --shapes mla64 mla128 v4 qsa --seq 16384 65536 --out r.json
+    python -m bench.sparse_attention table --smoke              # tiny shapes on the CPU, in seconds
+    python -m bench.sparse_attention table --shapes mla64 --seq 16384 65536 --deterministic  # + deterministic bwd
 
 `table` compiles every row's programs up front on `--workers` threads, then checks and times row by
 row, rewriting `--out` after each.
@@ -36,28 +36,26 @@ import faulthandler
 import functools
 import json
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, ".")
-sys.path.insert(0, "bench")
-from hyscale_jax import ops  # noqa: E402
-from hyscale_jax.ops.indexer_loss.reference import indexer_loss_reference, teacher_mass_reference  # noqa: E402
-from hyscale_jax.ops.sparse_attention.reference import (  # noqa: E402
+from bench.common import log, poison, rel_err, write_rows
+from bench.timing import CompileAhead, timed
+from hyscale_jax import ops
+from hyscale_jax.ops.indexer_loss.reference import indexer_loss_reference, teacher_mass_reference
+from hyscale_jax.ops.sparse_attention.reference import (
     sparse_attention_backward_reference,
     sparse_attention_forward_reference,
 )
-from pallas_kernels.sparse_attention import (  # noqa: E402
+from pallas_kernels.sparse_attention import (
     Config,
     attention_teacher_pallas,
     sparse_attention_backward_pallas,
     sparse_attention_forward_pallas,
 )
-from timing import CompileAhead, timed, write_rows  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,24 +105,6 @@ def flops(shape: Shape, T: int):
   fwd = 2 * T * shape.H * shape.K * (shape.Dk + shape.Dv)
   bwd = 2 * T * shape.H * shape.K * (3 * shape.Dk + 2 * shape.Dv)
   return fwd, bwd
-
-
-def poison(*arrays):
-  """Fills, then frees, NaN buffers the size of `arrays`, for the allocator to hand out next."""
-  for a in arrays:
-    if a is not None:
-      jnp.full(a.shape, jnp.nan, a.dtype).block_until_ready().delete()
-
-
-@jax.jit
-def _rel_err(a, b):
-  # One fused reduction: no f32 copies of the (up to 20 GB at mla128, 64K) gradients.
-  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-  return jnp.sqrt(jnp.sum((a - b) ** 2)) / jnp.maximum(jnp.sqrt(jnp.sum(b**2)), 1e-30)
-
-
-def rel_err(a, b):
-  return float(_rel_err(jnp.asarray(a), jnp.asarray(b)))
 
 
 def grad_errors(grads, expected):
@@ -220,10 +200,6 @@ def key_order_backward_row(bwd, args, out, lse, g_p, bwd_flops, reps):
   return dict(key_order_errors=errors, pallas_bwd_key_order_ms=ms, pallas_bwd_key_order_tflops=bwd_flops / ms / 1e9)
 
 
-def stamp(*msg):
-  print(f"[{time.strftime('%H:%M:%S')}]", *msg, flush=True)
-
-
 def teacher_inputs(x, lse):
   """(q, k, lse, indices) of the teacher timing: the last 1024 rows, which select the full k keys."""
   rows = slice(max(x["q"].shape[1] - 1024, 0), None)
@@ -263,7 +239,7 @@ def row_programs(name, shape: Shape, T, skip_reference, fwd_config=None, bwd_con
 def compile_all(programs, workers):
   """Compiles every (row, key) program on `workers` threads; {(row, key): executable or its error}."""
   jobs = [(row, key, fn, programs[row][1][key]) for row in programs for key, fn in programs[row][0].items()]
-  stamp(f"compiling {len(jobs)} programs on {workers} threads")
+  log(f"compiling {len(jobs)} programs on {workers} threads")
   ahead, done, t0 = CompileAhead(workers), {}, time.perf_counter()
   for row, key, fn, args in jobs:
     try:
@@ -278,7 +254,7 @@ def compile_all(programs, workers):
         done[row, key] = e
     error = done[row, key] if isinstance(done[row, key], Exception) else None
     failed = f" FAILED: {str(error).splitlines()[0][:200]}" if error else ""
-    stamp(f"compiled {row} {key} by {time.perf_counter() - t0:.0f} s{failed}")
+    log(f"compiled {row} {key} by {time.perf_counter() - t0:.0f} s{failed}")
   ahead.shutdown()
   return done
 
@@ -294,7 +270,7 @@ def run_row(row_key, shape: Shape, T, compiled, reps, skip_reference, key_window
   if skip_reference:  # check against the jitted reference (compiled on first call)
     fns.update({k: jax.jit(f) for k, f in variants(shape, shape.Dk**-0.5).items() if k.startswith("reference")})
   (out_r, lse_r), g_p, errors = checked_outputs(fns, args)
-  stamp(f"{name} T={T}: checked against the reference: {errors}")
+  log(f"{name} T={T}: checked against the reference: {errors}")
   fwd_flops, bwd_flops = flops(shape, T)
   row = dict(shape=name, T=T, H=shape.H, G=shape.G, Dk=shape.Dk, Dv=shape.Dv, K=shape.K, errors=errors)
   if key_window:
@@ -315,19 +291,19 @@ def run_row(row_key, shape: Shape, T, compiled, reps, skip_reference, key_window
       row["pallas_triton_fwd_ms"] = timed(get("pallas_triton_fwd"), *args, reps=r) * 1e3
       row["pallas_triton_fwd_tflops"] = fwd_flops / row["pallas_triton_fwd_ms"] / 1e9
       row.update(key_order_backward_row(get("pallas_bwd"), args, out_r, lse_r, g_p, bwd_flops, r))
-    stamp(f"{name} T={T}: {backend} attention timed")
+    log(f"{name} T={T}: {backend} attention timed")
     teacher_in = teacher_inputs(x, lse_r)
     row[f"teacher_1k_rows_{backend}"] = get(f"{backend}_teacher")(*teacher_in)
     row[f"teacher_1k_rows_{backend}_ms"] = timed(get(f"{backend}_teacher"), *teacher_in, reps=reps) * 1e3
     loss_in = (x["iq"], x["ik"], x["iw"], x["q"], x["k"], lse_r, x["idx"])
     row[f"indexer_loss_{backend}_ms"] = timed(get(f"{backend}_loss"), *loss_in, reps=r) * 1e3
-    stamp(f"{name} T={T}: {backend} loss pieces timed")
+    log(f"{name} T={T}: {backend} loss pieces timed")
   if (row_key, "pallas_det_bwd") in compiled:
     row.update(deterministic_row(get("pallas_det_bwd"), args, out_r, lse_r, g_p, reps))
     row["det_over_atomic"] = row["pallas_det_bwd_ms"] / row["pallas_bwd_ms"]
     row["pallas_det_bwd_tflops"] = bwd_flops / row["pallas_det_bwd_ms"] / 1e9
     row["pallas_det_bwd_temp_gb"] = compiled[row_key, "pallas_det_bwd"].memory_analysis().temp_size_in_bytes / 1e9
-    stamp(f"{name} T={T}: deterministic backward timed")
+    log(f"{name} T={T}: deterministic backward timed")
   if "teacher_1k_rows_reference" in row:
     row["teacher_rel_err"] = rel_err(row["teacher_1k_rows_pallas"], row["teacher_1k_rows_reference"])
   row.pop("teacher_1k_rows_pallas")
@@ -455,7 +431,7 @@ def run_table(shapes, seqs, dense_seq, reps, skip_reference_above, workers, out_
     try:
       row = run_row((name, T), SHAPES[name], T, compiled, reps, T > skip_reference_above, key_window)
     except Exception as e:  # noqa: BLE001 - one failing row (e.g. out of memory) does not end the table
-      stamp(f"{name} T={T} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+      log(f"{name} T={T} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
       rows.append(dict(shape=name, T=T, error=f"{type(e).__name__}: {str(e)[:300]}"))
       write_rows(out_path, rows)
       continue
@@ -472,8 +448,8 @@ def run_table(shapes, seqs, dense_seq, reps, skip_reference_above, workers, out_
   return rows
 
 
-def main():
-  parser = argparse.ArgumentParser()
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("mode", choices=["check", "tune", "table"])
   parser.add_argument("--shapes", nargs="+", default=["mla64", "mla128", "v4", "qsa"])
   parser.add_argument("--shape", default="mla64")
@@ -488,9 +464,9 @@ def main():
   parser.add_argument("--key-window", type=int, default=0,
                       help="table: select from each token's last N visible keys (0: all of them)")
   parser.add_argument("--out", default="")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   faulthandler.dump_traceback_later(300, repeat=True)  # where a long run spends its time
-  stamp("device:", jax.devices()[0].device_kind)
+  log("device:", jax.devices()[0].device_kind)
   if args.mode == "check":
     return run_check()
   if args.mode == "tune":

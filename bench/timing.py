@@ -8,13 +8,14 @@ to `block_until_ready`.
 """
 
 import glob
-import json
 import os
 import tempfile
 import time
 
 import jax
 import numpy as np
+
+from bench.common import error_text
 
 # "device" (the default) or "wall": HYSCALE_BENCH_TIMING=wall times by the host's clock on a GPU too,
 # for sweeps of many short rows where a profiler session per row costs more than it tells.
@@ -90,8 +91,7 @@ def timed_or_report(label, fn, *args, reps=5):
     seconds = timed(fn, *args, reps=reps)
     return seconds, fn(*args)
   except Exception as e:  # noqa: BLE001 (an OOM or a kernel that does not compile is a row)
-    print(f"{label}: {'OOM' if 'RESOURCE_EXHAUSTED' in str(e) else type(e).__name__}: "
-          f"{str(e).splitlines()[0][:160]}", flush=True)
+    print(f"{label}: {error_text(e, 160)}", flush=True)
     return None
 
 
@@ -104,13 +104,6 @@ def against_first(first, backend, out, dq):
   name, first_out, first_dq = first
   d_out, d_dq = float(np.abs(out - first_out).max()), float(np.abs(dq - first_dq).max())
   return dict(max_out_diff=d_out, max_dq_diff=d_dq), f", max|out - {name}| {d_out:.3g}, max|dq - {name}| {d_dq:.3g}", first
-
-
-def write_rows(path, rows):
-  """Writes {"device": the device kind, "rows": rows} as JSON to `path` (nothing when path is None)."""
-  if path:
-    with open(path, "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
 
 
 class CompileAhead:

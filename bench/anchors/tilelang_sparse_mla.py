@@ -1,13 +1,16 @@
 """TileLang's own DeepSeek-V3.2 sparse MLA kernels at the attention table's MLA shape (issue 20): an anchor.
 
-    python3 bench/anchors/tilelang_sparse_mla.py --bundle bench/anchors/.bundle/tilelang.tar.xz \
+    python3 -m bench.anchors.tilelang_sparse_mla --bundle bench/anchors/.bundle/tilelang.tar.xz \
         --seq 16384 --out $OUT/tilelang.json
-    python3 bench/anchors/tilelang_sparse_mla.py --compile-only   # no GPU: build every kernel for sm_90a
+    python3 -m bench.anchors.tilelang_sparse_mla --compile-only   # no GPU: build every kernel for sm_90a
+    python3 -m bench.anchors.tilelang_sparse_mla --smoke --out /tmp/anchor.json   # CPU: a stand-in bundle
 
-A script on the GPU machine, beside `bench/sparse_attention.py table` in the same call, so our Pallas
-kernels and TileLang's are timed on the same card at the same shape. Nothing in hyscale_jax/,
+A script on the GPU machine, beside `python -m bench.sparse_attention table` in the same call, so our
+Pallas kernels and TileLang's are timed on the same card at the same shape. Nothing in hyscale_jax/,
 pallas_kernels/ or tests/ imports it, and it refuses to be imported: TileLang's code lives only in the
-git-ignored bundle (build_tilelang_bundle.sh), which this script unpacks to /tmp and puts on sys.path.
+git-ignored bundle (build_tilelang_bundle.sh), which this script unpacks to /tmp and puts on
+PYTHONPATH, running itself again under it (the script uses nothing of this repository, so
+`python3 bench/anchors/tilelang_sparse_mla.py` runs it too).
 
 Shape (`mla64`): GLM-5.1's absorbed MLA in MQA form, batch 1, H 64 query heads, one KV head of
 576 (values = the key row's first 512), k 2048 selected keys per query, bf16, T = --seq.
@@ -34,10 +37,17 @@ outputs' sizes are allocated and freed, so an output element a kernel never writ
 back as NaN. Timing: CUDA events around each call after --warmup calls, a queued spin before each so
 the host's launch overhead is hidden; the median of --reps. FLOPs as TileLang counts them: forward
 2 T k H (576 + 512), backward 2 T k H (512 + 3 * 576 + 512).
+
+`--smoke` needs neither torch nor a GPU: it builds a stand-in bundle (a `tilelang` package that only
+has a version, the examples' PROVENANCE.txt and utils.py, and example modules with no kernels) and
+runs the GPU path's setup on it: the unpack, the run again with the bundle on PYTHONPATH, the
+examples' utils.py stand-in (it imports triton), tilelang and the example modules imported from the
+bundle, and the JSON. Its rows say where each module came from; the kernel rows say they were skipped.
 """
 
 import argparse
 import hashlib
+import io
 import json
 import math
 import os
@@ -58,6 +68,18 @@ PIPELINED_FIRST_ROW = 128
 DIM, TAIL = 512, 64  # values = the first 512 of the 576-wide key row; the rope tail is 64
 # The pipelined kernel runs last: at T 64K its first device run ended the process (2026-12-04).
 KERNELS = ["sparse_mla_fwd", "sparse_mla_bwd", "sparse_mla_bwd_kernel", "sparse_mla_fwd_pipelined"]
+MODULES = ["sparse_mla_fwd", "sparse_mla_fwd_pipelined", "sparse_mla_bwd"]  # the examples' files the kernels are in
+# Set to the bundle's folder when the script runs itself again with the bundle on PYTHONPATH.
+_RERUN = "TILELANG_ANCHOR_RERUN"
+# --smoke's stand-in bundle: a path under tilelang_anchor/ -> its text.
+SMOKE_VERSION = "0.0.0+smoke"
+SMOKE_FILES = {
+    "site/tilelang/__init__.py": f'__version__ = "{SMOKE_VERSION}"  # the smoke\'s stand-in\n',
+    "examples/PROVENANCE.txt": "repository: none (the smoke's stand-in)\ncommit: smoke\n",
+    "examples/utils.py": "import triton  # noqa: F401 (as the examples' utils.py)\n",
+    **{f"examples/{m}.py": "import tilelang  # noqa: F401\nfrom utils import assert_tensors_similar  # noqa: F401\n"
+       for m in MODULES},
+}
 
 
 def unpack(bundle, root):
@@ -94,7 +116,13 @@ def cuda_home():
 
 
 def set_up(top, cache):
-  """sys.path and environment for the bundle's TileLang; returns the examples' folder."""
+  """Environment for the bundle's TileLang; returns the examples' folder.
+
+  The bundle's site-packages and examples must be on sys.path: when they are not, the script runs
+  itself again (same arguments) with them in front of PYTHONPATH. After that, only site-packages
+  stays on PYTHONPATH, for the subprocesses TileLang and tvm-ffi start with sys.executable.
+  """
+  top = os.path.abspath(top)
   site, examples = os.path.join(top, "site"), os.path.join(top, "examples")
   if not os.environ.get("CUDA_HOME"):
     home = cuda_home()
@@ -103,9 +131,14 @@ def set_up(top, cache):
   # Kernel and tvm-ffi caches in /tmp: the home folder on the device machine may not be writable.
   os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(cache, "tilelang"))
   os.environ.setdefault("TVM_FFI_CACHE_DIR", os.path.join(cache, "tvm_ffi"))
-  # Subprocesses TileLang or tvm-ffi start with sys.executable must find the same packages.
-  os.environ["PYTHONPATH"] = os.pathsep.join([site] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-  sys.path[:0] = [examples, site]
+  if not {examples, site} <= set(sys.path):
+    if os.environ.get(_RERUN) == top:
+      raise RuntimeError(f"{examples} and {site} are on PYTHONPATH but not on sys.path")
+    os.environ[_RERUN] = top
+    os.environ["PYTHONPATH"] = os.pathsep.join([examples, site] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    print("running again with the bundle on PYTHONPATH", flush=True)
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+  os.environ["PYTHONPATH"] = os.pathsep.join(p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p != examples)
   # The examples import `assert_tensors_similar` from their utils.py, which imports triton at the top;
   # this script checks with its own reference, so a stand-in does where triton is missing.
   try:
@@ -116,6 +149,23 @@ def set_up(top, cache):
     stub.assert_tensors_similar = lambda *a, **k: None
     sys.modules["utils"] = stub
   return examples
+
+
+def smoke_bundle(folder):
+  """Writes --smoke's stand-in bundle (SMOKE_FILES) into `folder`; returns its path. The bytes are the
+  same on every call (no dates in the archive): the run again finds the folder it unpacked to."""
+  data = io.BytesIO()
+  with tarfile.open(fileobj=data, mode="w:xz") as tar:
+    for name, text in sorted(SMOKE_FILES.items()):
+      info = tarfile.TarInfo(f"tilelang_anchor/{name}")  # mtime 0, mode 644
+      info.size = len(text.encode())
+      tar.addfile(info, io.BytesIO(text.encode()))
+  os.makedirs(folder, exist_ok=True)
+  path = os.path.join(folder, "smoke_bundle.tar.xz")
+  with open(f"{path}.{os.getpid()}", "wb") as f:
+    f.write(data.getvalue())
+  os.replace(f"{path}.{os.getpid()}", path)
+  return path
 
 
 def provenance(top):
@@ -324,7 +374,7 @@ def compile_only(mods, torch, H, k):
 
 
 def main():
-  parser = argparse.ArgumentParser()
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--bundle", default="bench/anchors/.bundle/tilelang.tar.xz")
   parser.add_argument("--unpack-dir", default="/tmp/tilelang_anchor")
   parser.add_argument("--seq", type=int, nargs="+", default=[16384])
@@ -337,20 +387,26 @@ def main():
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--compile-only", action="store_true", help="build the kernels for sm_90a on CPU tensors; no GPU")
+  parser.add_argument("--smoke", action="store_true", help="the setup on a stand-in bundle: no torch, no GPU")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
 
+  if args.smoke:
+    args.bundle = smoke_bundle(args.unpack_dir)
   top = unpack(args.bundle, args.unpack_dir)
   set_up(top, os.path.join(args.unpack_dir, "cache"))
   if args.compile_only:
     # No GPU to ask: name the H200's target (TileLang takes a JSON dict, not a CLI string).
     os.environ.setdefault("TILELANG_DEFAULT_TARGET", json.dumps({"kind": "cuda", "arch": "sm_90a"}))
-  import torch
+  if args.smoke:  # the stand-in bundle has no kernels to run: no torch
+    torch = None
+  else:
+    import torch
   import tilelang
 
-  meta = dict(anchor="tilelang", tilelang=tilelang.__version__, torch=torch.__version__,
+  meta = dict(anchor="tilelang", tilelang=tilelang.__version__, torch=torch and torch.__version__,
               cuda_home=os.environ.get("CUDA_HOME"), examples=provenance(top),
-              gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None, argv=sys.argv[1:],
+              gpu=torch.cuda.get_device_name() if torch and torch.cuda.is_available() else None, argv=sys.argv[1:],
               note="kernels from TileLang's examples/deepseek_v32, run unchanged from the git-ignored bundle")
   try:
     meta["nvcc"] = subprocess.run([os.path.join(meta["cuda_home"] or "", "bin", "nvcc"), "--version"],
@@ -368,13 +424,23 @@ def main():
 
   import importlib
   mods = {}
-  for m in ["sparse_mla_fwd", "sparse_mla_fwd_pipelined", "sparse_mla_bwd"]:
+  for m in MODULES:
     try:
       mods[m] = importlib.import_module(m)
     except Exception as e:  # noqa: BLE001 - rows that need this module report it
       traceback.print_exc()
       mods[m] = e
   bad = {m: f"import {m}: {type(e).__name__}: {e}" for m, e in mods.items() if isinstance(e, Exception)}
+  if args.smoke:  # where each module came from (utils: None for the stand-in), then the kernels, not run
+    files = {"tilelang": tilelang, "utils": sys.modules["utils"], **mods}
+    result["rows"] = [dict(module=m, error=bad[m]) if m in bad else dict(module=m, file=getattr(mod, "__file__", None))
+                      for m, mod in files.items()]
+    result["rows"] += [dict(kernel=name, skipped="--smoke: the stand-in bundle has no kernels")
+                       for name in args.kernels]
+    save()
+    shutil.rmtree(os.path.dirname(top))
+    os.remove(args.bundle)
+    return
   if args.compile_only:
     if bad:
       result["rows"] = [dict(kernel=m, compiled=False, error=msg) for m, msg in bad.items()]
