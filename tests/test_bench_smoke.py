@@ -1,9 +1,10 @@
 """Every bench script's `--smoke` runs on CPU and writes sane rows, so the benchmarks never rot.
 
-The scripts run as subprocesses (`python -m bench.<name>`), all started together (module fixture) and
-each checked by its own test; on 2 shared CPU cores the whole file takes two to three minutes.
+The scripts run as subprocesses (`python -m bench.<name>`), all started together once per test session
+(`runs`) and each checked by its own test; on 2 shared CPU cores the whole file takes two to three minutes.
 """
 
+import fcntl
 import json
 import math
 import os
@@ -37,6 +38,11 @@ _SCRIPTS = {
     "causal_attention": (["-m", "bench.causal_attention", "--smoke"],
                          lambda data: len(data["rows"]) == 3 and all(_positive(r["ms"]) for r in data["rows"])
                          and all(r["max_out_diff"] < 1e-4 for r in data["rows"][1:])),
+    "dense_warmup": (["-m", "bench.dense_warmup", "--smoke"],
+                     lambda data: [r["part"] for r in data["rows"]] == ["attention", "kl pallas", "kl streaming"]
+                     and all(_positive(r["ms"]) for r in data["rows"])
+                     and abs(data["rows"][1]["loss"] - data["rows"][2]["loss"]) < 1e-5 * data["rows"][2]["loss"]
+                     and data["rows"][2]["max_grad_rel_diff"] < 1e-4),
     "gated_delta_rule": (["-m", "bench.gated_delta_rule", "--smoke"],
                          lambda data: [(r["backend"], r["pass"]) for r in data["rows"]] == [
                              ("reference", "fwd"), ("reference", "fwd+bwd"), ("pallas", "fwd"), ("pallas", "fwd+bwd")]
@@ -95,36 +101,55 @@ def _positive(x):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """Starts every script at once; name -> (Popen, output JSON path)."""
-  tmp = tmp_path_factory.mktemp("bench_smoke")
+  """name -> (exit status, output, the JSON it wrote) of every script, each run once per test session.
+
+  The first test (of any xdist worker) that asks starts them all at once and records how each ended;
+  the others wait for that and read it. A module fixture alone would run them in every worker that
+  gets one of these tests: twice the CPU, and two runs racing on the same temporary folders.
+  """
+  base = tmp_path_factory.getbasetemp()
+  # Under xdist each worker's base is popen-gwN/ inside the session's folder, which they share.
+  shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "bench_smoke"
+  shared.mkdir(exist_ok=True)
+  with open(shared / "lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    if not (shared / "done").exists():
+      _run_all(shared)
+      (shared / "done").touch()
+  return {name: (int((shared / f"{name}.status").read_text()), (shared / f"{name}.log").read_text(),
+                 shared / f"{name}.json") for name in _SCRIPTS}
+
+
+def _run_all(folder: pathlib.Path) -> None:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
              HYSCALE_DATA_DIR=os.environ.get("HYSCALE_DATA_DIR", str(ROOT / ".data")))
   # One CPU device, as a user's run; the suite's other XLA flags (conftest.py) stay.
   env["XLA_FLAGS"] = " ".join(flag for flag in os.environ.get("XLA_FLAGS", "").split()
                               if not flag.startswith("--xla_force_host_platform_device_count"))
-  started = {}
-  for name, (args, _) in _SCRIPTS.items():
-    out = tmp / f"{name}.json"
-    started[name] = (subprocess.Popen([sys.executable, *args, "--out", str(out)], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
-  yield started
-  for proc, _ in started.values():
-    if proc.poll() is None:
+  started = {name: subprocess.Popen([sys.executable, *args, "--out", str(folder / f"{name}.json")], cwd=ROOT,
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name, (args, _) in _SCRIPTS.items()}
+  for name, proc in started.items():
+    try:
+      log, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
       proc.kill()
+      log, _ = proc.communicate()
+      log += "\n(killed after 600 s)"
+    (folder / f"{name}.log").write_text(log)
+    (folder / f"{name}.status").write_text(str(proc.returncode))
 
 
 @pytest.mark.parametrize("name", list(_SCRIPTS))
 def test_smoke_run_writes_sane_rows(runs, name):
-  proc, out = runs[name]
-  log, _ = proc.communicate(timeout=600)
-  assert proc.returncode == 0, log[-3000:]
+  status, log, out = runs[name]
+  assert status == 0, log[-3000:]
   data = json.loads(out.read_text())
   assert _SCRIPTS[name][1](data), json.dumps(data)[:3000]
 
 
 def test_layer_step_plots_from_its_json(runs, tmp_path):
-  proc, out = runs["layer_step"]
-  proc.communicate(timeout=600)
+  _, _, out = runs["layer_step"]
   from bench import layer_step  # noqa: PLC0415
 
   written = layer_step.main(["plot", "--smoke", "--out", str(out), "--plots", str(tmp_path)])

@@ -57,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import traceback
 import types
@@ -71,6 +72,7 @@ KERNELS = ["sparse_mla_fwd", "sparse_mla_bwd", "sparse_mla_bwd_kernel", "sparse_
 MODULES = ["sparse_mla_fwd", "sparse_mla_fwd_pipelined", "sparse_mla_bwd"]  # the examples' files the kernels are in
 # Set to the bundle's folder when the script runs itself again with the bundle on PYTHONPATH.
 _RERUN = "TILELANG_ANCHOR_RERUN"
+_SMOKE_FOLDER = "TILELANG_ANCHOR_SMOKE_FOLDER"
 # --smoke's stand-in bundle: a path under tilelang_anchor/ -> its text.
 SMOKE_VERSION = "0.0.0+smoke"
 SMOKE_FILES = {
@@ -376,7 +378,8 @@ def compile_only(mods, torch, H, k):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--bundle", default="bench/anchors/.bundle/tilelang.tar.xz")
-  parser.add_argument("--unpack-dir", default="/tmp/tilelang_anchor")
+  parser.add_argument("--unpack-dir", default=None,
+                      help="where the bundle is unpacked (default /tmp/tilelang_anchor; --smoke: a fresh temporary folder)")
   parser.add_argument("--seq", type=int, nargs="+", default=[16384])
   parser.add_argument("--heads", type=int, default=64)
   parser.add_argument("--topk", type=int, default=2048)
@@ -391,6 +394,15 @@ def main():
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
 
+  own_folder = args.unpack_dir is None and args.smoke
+  if own_folder:
+    # The smoke deletes what it unpacked: a folder of its own (the same one after set_up's run again),
+    # so two smokes at once never meet.
+    if _SMOKE_FOLDER not in os.environ:
+      os.environ[_SMOKE_FOLDER] = tempfile.mkdtemp(prefix="tilelang_anchor_smoke_")
+    args.unpack_dir = os.environ[_SMOKE_FOLDER]
+  elif args.unpack_dir is None:
+    args.unpack_dir = "/tmp/tilelang_anchor"
   if args.smoke:
     args.bundle = smoke_bundle(args.unpack_dir)
   top = unpack(args.bundle, args.unpack_dir)
@@ -438,8 +450,11 @@ def main():
     result["rows"] += [dict(kernel=name, skipped="--smoke: the stand-in bundle has no kernels")
                        for name in args.kernels]
     save()
-    shutil.rmtree(os.path.dirname(top))
-    os.remove(args.bundle)
+    if own_folder:
+      shutil.rmtree(args.unpack_dir)
+    else:
+      shutil.rmtree(os.path.dirname(top))
+      os.remove(args.bundle)
     return
   if args.compile_only:
     if bad:
