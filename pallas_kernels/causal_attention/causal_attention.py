@@ -29,6 +29,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._shapes import next_power_of_two
+
 _LN2 = math.log(2.0)
 # lse of padded query rows: large, so their probabilities exp2(qk - lse) are 0 in the backward.
 _PAD_LSE = 1e30
@@ -52,7 +54,7 @@ class Config:
     bf16: 128 x 128 up to 128 dims, 64 x 64 at 256 (a 128-row tile of 256 dims is 64 KiB; q plus two
     stages of k and v would need 320 KiB); f32 halves them. A prior from the tile sizes, not yet tuned.
     """
-    row = _next_power_of_two(head_dim) * itemsize
+    row = next_power_of_two(head_dim) * itemsize
     block = next(b for b in (128, 64, 32, 16) if b == 16 or 5 * b * row <= 160 * 1024)
     block_bwd = next(b for b in (32, 16) if b == 16 or 6 * b * row <= 160 * 1024)
     return cls(block_q=block, block_k=block, block_bwd=block_bwd)
@@ -67,7 +69,7 @@ class Config:
     """T rounded up so that every block divides it (the kernel clips blocks to the length)."""
     block = max(self.block_q, self.block_k, self.block_bwd)
     if T <= block:  # one block of the whole (power-of-two) length
-      return max(16, _next_power_of_two(T))
+      return max(16, next_power_of_two(T))
     return -(-T // block) * block
 
   def block_sizes(self):
@@ -76,10 +78,6 @@ class Config:
 
     return attention.BlockSizes(block_q=self.block_q, block_k=self.block_k, block_q_dkv=self.block_bwd,
                                 block_kv_dkv=self.block_bwd, block_q_dq=self.block_bwd, block_kv_dq=self.block_bwd)
-
-
-def _next_power_of_two(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
 
 
 @functools.cache

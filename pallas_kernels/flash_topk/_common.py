@@ -1,14 +1,9 @@
 """What the FlashTopK scoring passes (Triton `flash_topk`, Mosaic GPU `mgpu_scores`) share: which keys a
-query sees, how a kernel's scores rank, and the power-of-two padding."""
+query sees and how a kernel's scores rank."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
-
-
-def next_power_of_two(n: int) -> int:
-  """The smallest power of two >= n (1 for n <= 1): Triton's block sizes."""
-  return 1 << max(n - 1, 0).bit_length()
 
 
 def keys_seen(position, compress_ratio: int, num_keys: int):

@@ -39,9 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.flash_topk._common import (
-    key_visible, keys_seen, next_power_of_two, rank_folded, segment_first_keys,
-)
+from pallas_kernels._shapes import next_power_of_two
+from pallas_kernels.flash_topk._common import key_visible, keys_seen, rank_folded, segment_first_keys
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -33,7 +33,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.flash_topk._common import keys_seen, next_power_of_two, rank_folded
+from pallas_kernels._shapes import next_power_of_two
+from pallas_kernels.flash_topk._common import keys_seen, rank_folded
 from pallas_kernels.flash_topk.flash_topk import Candidates, Config, candidates_from_mask
 from pallas_kernels.flash_topk.mgpu_scores import first_scored_keys, output_bytes_per_row, score_counts_mgpu
 from pallas_kernels.flash_topk.scores_at import index_scores_at_prefix

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.flash_topk._common import next_power_of_two
+from pallas_kernels._shapes import next_power_of_two
 
 
 def ordered_bits(scores: jax.Array) -> jax.Array:

@@ -51,6 +51,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._hopper import require_hopper
 from pallas_kernels._relaxed_atomics import scatter_add_rows
+from pallas_kernels._shapes import next_power_of_two, power_of_two_parts
 from pallas_kernels.sparse_attention import key_major
 from pallas_kernels.sparse_attention._common import row_delta
 
@@ -131,15 +132,6 @@ class Config:
         raise ValueError(f"Config.{name}={getattr(self, name)!r} must be 'auto', 'triton' or 'mosaic'.")
 
 
-def _power_of_two_parts(n: int) -> tuple[int, ...]:
-  """n as a sum of descending powers of two (its binary digits): 576 -> (512, 64)."""
-  return tuple(1 << b for b in reversed(range(n.bit_length())) if n >> b & 1)
-
-
-def _next_power_of_two(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
-
-
 @dataclasses.dataclass(frozen=True)
 class _Layout:
   """How [B, T, H, Dk] x [B, S, G, Dk] becomes power-of-two blocks; shared by every kernel here."""
@@ -162,10 +154,10 @@ class _Layout:
     S, G = k.shape[1], k.shape[2]
     if v_dim is not None and v_dim & (v_dim - 1):
       raise NotImplementedError(f"pallas sparse_attention needs a power-of-two value dim, got Dv={v_dim}.")
-    block_h = min(config.block_h, _next_power_of_two(H // G))
+    block_h = min(config.block_h, next_power_of_two(H // G))
     if not interpret:
       block_h = max(block_h, 16)  # tl.dot needs every matmul dim >= 16; padded heads fill the rest
-    block_k = min(config.block_k, _next_power_of_two(indices.shape[2]))
+    block_k = min(config.block_k, next_power_of_two(indices.shape[2]))
     layout = cls(B, T, H, G, S, Dk, v_dim, indices.shape[2], block_h, block_k, interpret)
     if not interpret and min(block_k, v_dim or 16, *layout.parts) < 16:
       raise NotImplementedError(
@@ -175,7 +167,7 @@ class _Layout:
 
   @property
   def parts(self) -> tuple[int, ...]:
-    return _power_of_two_parts(self.Dk)
+    return power_of_two_parts(self.Dk)
 
   @property
   def offsets(self) -> tuple[int, ...]:
@@ -199,7 +191,7 @@ class _Layout:
 
   @property
   def S_pad(self) -> int:
-    return _next_power_of_two(self.S)
+    return next_power_of_two(self.S)
 
   @property
   def grid(self) -> tuple[int, int, int]:
@@ -343,7 +335,7 @@ def _values(k, v, value_dim):
   Dv = _value_dim(k, v, value_dim)
   if v is not None:
     return v, Dv
-  if Dv == _power_of_two_parts(k.shape[-1])[0]:
+  if Dv == power_of_two_parts(k.shape[-1])[0]:
     return None, Dv
   return k[..., :Dv], Dv  # another prefix width: an explicit (sliced) value array
 
