@@ -2,13 +2,15 @@
 
     python train.py ... --config.train.profile_steps="(3, 6)"          # traces into <workdir>/profile/step_N
     python -m bench.profile_ops <workdir>/profile/step_6 <workdir>/profile/step_3   # a slow step against a fast one
+    python -m bench.profile_ops --workdir <workdir>    # its slowest traced step against its fastest
     python -m bench.profile_ops --smoke --out /tmp/profile_ops.json   # traces 2 steps of the tiny model on CPU
 
 For each trace (a folder that `jax.profiler` wrote), the device's events are summed by kernel name: on a
 GPU the `/device:` planes (CUPTI's kernel and copy records), on a CPU the XLA client's op events. The
 report gives each trace's busy time (the union of its events' intervals), its span (first start to
 last end: busy time plus the device's idle gaps, where the host or a sync held it up) and its top ops;
-with two traces, the ops whose summed time differs most, first minus second.
+with two traces, the ops whose summed time differs most, first minus second. `--workdir` picks the two
+from a run's traced steps by their `step_time_s` in `metrics.jsonl` (so log every traced step).
 """
 
 import argparse
@@ -68,26 +70,45 @@ def compare(first: dict, second: dict, top: int = 20) -> list[tuple[str, float, 
   return sorted(rows, key=lambda r: abs(r[1] - r[2]), reverse=True)[:top]
 
 
+def slowest_and_fastest(workdir: str) -> list[str]:
+  """The trace folders of the slowest and the fastest traced step of a train.py run, by `step_time_s`."""
+  traced = {int(name.removeprefix("step_")): os.path.join(workdir, "profile", name)
+            for name in os.listdir(os.path.join(workdir, "profile")) if name.startswith("step_")}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    seconds = {row["step"]: row["step_time_s"] for row in map(json.loads, f) if row["step"] in traced}
+  if len(seconds) < 2:
+    raise ValueError(f"{workdir} has {len(seconds)} traced step(s) with a logged step_time_s; trace two or more "
+                     "(train.profile_steps) and log each (train.log_every=1)")
+  order = sorted(seconds, key=seconds.get)
+  print(f"slowest traced step {order[-1]} ({seconds[order[-1]]:.3f} s), fastest {order[0]} "
+        f"({seconds[order[0]]:.3f} s)")
+  return [traced[order[-1]], traced[order[0]]]
+
+
 def _smoke_traces(tmp: str) -> list[str]:
-  """Traces steps 2 and 3 of the tiny model through train.py."""
+  """Traces steps 2 and 3 of the tiny model through train.py; their two folders, slowest first."""
   workdir = os.path.join(tmp, "run")
   subprocess.run([sys.executable, "train.py", "--config=configs/glm5_1.py:tiny", f"--workdir={workdir}",
                   "--config.data.source=pydoc", "--config.data.batch_size=2", "--config.train.steps=3",
                   "--config.train.warmup_steps=0", "--config.train.checkpoint_every=0",
-                  "--config.train.progress_bar=false", '--config.train.profile_steps=(2, 3)'],
+                  "--config.train.progress_bar=false", "--config.train.log_every=1",
+                  '--config.train.profile_steps=(2, 3)'],
                  check=True, env=dict(os.environ, PYTHONPATH="."), capture_output=True, text=True)
-  return [os.path.join(workdir, "profile", f"step_{n}") for n in (2, 3)]
+  return slowest_and_fastest(workdir)
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("traces", nargs="*", help="one or two jax.profiler trace folders")
+  parser.add_argument("--workdir", default=None,
+                      help="a train.py workdir: compare its slowest traced step with its fastest")
   parser.add_argument("--top", type=int, default=20)
   parser.add_argument("--out", default=None, help="also write the report as JSON")
   parser.add_argument("--smoke", action="store_true", help="trace 2 steps of the tiny model (CPU) and report them")
   args = parser.parse_args(argv)
   with tempfile.TemporaryDirectory() as tmp:
-    traces = _smoke_traces(tmp) if args.smoke else args.traces
+    traces = (_smoke_traces(tmp) if args.smoke else slowest_and_fastest(args.workdir) if args.workdir
+              else args.traces)
     if not 1 <= len(traces) <= 2:
       parser.error("give one trace folder, or two to compare")
     summaries = [summarize(t, args.top) for t in traces]
