@@ -197,6 +197,22 @@ def test_a_context_mesh_splits_the_queries_with_the_same_values_and_gradients(ra
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("name", ["reference", "xla_baseline", "pallas"])
+def test_a_detached_lse_is_the_lse_without_a_gradient_on_every_backend(name):
+  """`return_lse="detached"` (the dense indexer KL's teacher): the same out and lse as `return_lse=True`,
+  no gradient through lse, and the `pallas` backend, which declines a differentiable lse, serves it."""
+  q, k, v, seg = _inputs(np.random.default_rng(6), 1, 21, 2, 2, 8, 8, True)
+  want_out, want_lse = ops.causal_attention(q, k, v, scale=0.4, segment_ids=seg, return_lse=True, backend="reference")
+  out, lse = ops.causal_attention(q, k, v, scale=0.4, segment_ids=seg, return_lse="detached", backend=name)
+  np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-6)
+  grads = jax.grad(lambda q, k: ops.causal_attention(q, k, v, scale=0.4, segment_ids=seg, return_lse="detached",
+                                                     backend=name)[1].sum(), argnums=(0, 1))(q, k)
+  assert all(not np.asarray(g).any() for g in grads)
+  with pytest.raises(ValueError, match="return_lse='yes' must be False, True or 'detached'"):
+    ops.causal_attention(q, k, v, scale=0.4, return_lse="yes")
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(q=np.zeros((2, 8, 4), np.float32)), "q must have rank 4"),
     (dict(k=np.zeros((2, 8, 2, 5), np.float32)), "k.shape"),

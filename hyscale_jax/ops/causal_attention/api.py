@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
+import jax
 from jaxtyping import Array, Float, Int
 
 from hyscale_jax.ops import _checks, _context
@@ -35,7 +37,7 @@ def causal_attention(
     scale: float,
     segment_ids: Int[Array, "B T"] | tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
     compress_ratio: int = 1,
-    return_lse: bool = False,
+    return_lse: bool | Literal["detached"] = False,
     backend: Backend = "auto",
 ) -> Float[Array, "B T N Hv"] | tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
   """Softmax attention of each token over every earlier token (itself included) of its segment.
@@ -65,7 +67,9 @@ def causal_attention(
       (q_seg int[B, T], kv_seg int[B, S]) (query t sees key s when q_seg[t] == kv_seg[s]), or None
       (one document).
     compress_ratio: tokens per key (static positive int): 1 for token keys, m for compressed entries.
-    return_lse: also return lse; its cotangent flows into q, k (the `pallas` backend declines it).
+    return_lse: also return lse: True, differentiable (its cotangent flows into q, k; the `pallas`
+      backend declines it); "detached", under `stop_gradient` (every backend: a teacher's LSE, as the
+      dense indexer KL reads it).
     backend: "auto" (on GPU "pallas", then "reference"), "pallas", "reference" or "xla_baseline".
 
   Returns:
@@ -79,13 +83,19 @@ def causal_attention(
   """
   q_seg, kv_seg = _check_args(q, k, v, scale, segment_ids, compress_ratio)
   names = REGISTRY.candidates(backend)
-  kwargs = dict(scale=float(scale), compress_ratio=int(compress_ratio), return_lse=bool(return_lse))
+  if return_lse not in (False, True, "detached"):
+    raise ValueError(f"return_lse={return_lse!r} must be False, True or 'detached'.")
+  # A detached lse has no cotangent: backends that cannot take one serve it (`attend_with_saved_residuals`).
+  kwargs = dict(scale=float(scale), compress_ratio=int(compress_ratio), return_lse=return_lse)
 
   def attend(row_offset, local, full, replicated):
     del replicated
     (q, q_seg), (k, v, kv_seg) = local, full
     segments = None if q_seg is None else (q_seg, kv_seg)
-    return REGISTRY.run(names, q, k, v, q_offset=row_offset, segment_ids=segments, **kwargs)
+    result = REGISTRY.run(names, q, k, v, q_offset=row_offset, segment_ids=segments, **kwargs)
+    if return_lse == "detached":
+      return result[0], jax.lax.stop_gradient(result[1])
+    return result
 
   mesh = _context.context_mesh()
   if mesh is None:

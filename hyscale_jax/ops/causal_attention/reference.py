@@ -74,7 +74,8 @@ def attend_with_saved_residuals(forward, backward, q, k, v, *, scale, q_offset, 
   """
   mask = (q_offset, *(segment_ids if segment_ids is not None else (None, None)))
   out, lse = attention_with_saved_residuals(
-      functools.partial(forward, compress_ratio=compress_ratio, return_lse=return_lse),
+      # Only a differentiable lse (True, not "detached") needs a backward that takes its cotangent.
+      functools.partial(forward, compress_ratio=compress_ratio, return_lse=return_lse is True),
       functools.partial(backward, compress_ratio=compress_ratio), q, k, v, mask, scale=float(scale))
   return (out, lse) if return_lse else out
 
