@@ -1,6 +1,7 @@
 """GLM-5.1 (`glm_moe_dsa`): parameter counts, selection replay, gradient isolation, dense equivalence."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -163,3 +164,6 @@ def test_dense_stage_equals_the_absorbed_dense_attention_it_replaced():
   old_kl = ops.indexer_loss(*attention.indexer(x, c_q, positions), q, k, None, None, attn_scale=scale,
                             index_scale=attention.indexer.score_scale, segment_ids=(segment_ids, segment_ids))
   np.testing.assert_allclose(float(new.indexer_loss), float(old_kl), rtol=1e-5)
+  # The dense KL kernels (interpret mode here) read the attention's detached LSE: the same loss.
+  kernels = attention(x, positions, segment_ids, dense=True, backends=types.SimpleNamespace(indexer_loss="pallas"))
+  np.testing.assert_allclose(float(kernels.indexer_loss), float(old_kl), rtol=1e-5)

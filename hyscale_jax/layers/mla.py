@@ -240,11 +240,12 @@ class MLASparseAttention(nnx.Module):
     backend = lambda name: getattr(backends, name, "auto") if backends is not None else "auto"
     if dense:
       q, k, v, c_q = self._dense_inputs(x, positions)
-      out = ops.causal_attention(q, k, v, scale=scale, segment_ids=segment_ids,
-                                 backend=backend("causal_attention"))  # [B, T, H, v_head_dim]
+      # out [B, T, H, v_head_dim]; lse f32[B, T, H], the teacher's, read by the indexer KL and not recomputed.
+      out, lse = ops.causal_attention(q, k, v, scale=scale, segment_ids=segment_ids, return_lse="detached",
+                                      backend=backend("causal_attention"))
       indexer_loss = None
       if self.indexer is not None:  # the same logits as the absorbed form's, streamed over key chunks
-        indexer_loss = ops.indexer_loss(*self.indexer(x, c_q, positions), q, k, None, None, attn_scale=scale,
+        indexer_loss = ops.indexer_loss(*self.indexer(x, c_q, positions), q, k, lse, None, attn_scale=scale,
                                         index_scale=self.indexer.score_scale,
                                         segment_ids=(segment_ids, segment_ids), backend=backend("indexer_loss"))
       return AttentionOutput(self.o_proj(out.reshape(B, T, -1)), None, indexer_loss)

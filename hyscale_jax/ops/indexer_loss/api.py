@@ -8,7 +8,7 @@ from jaxtyping import Array, Float, Int
 
 from hyscale_jax.ops import _checks, _context
 from hyscale_jax.ops._registry import Backend, BackendRegistry, platform
-from hyscale_jax.ops.indexer_loss.reference import indexer_loss_reference
+from hyscale_jax.ops.indexer_loss.reference import DenseKernels, indexer_loss_reference
 
 REGISTRY = BackendRegistry(
     "indexer_loss",
@@ -23,16 +23,43 @@ REGISTRY = BackendRegistry(
 GPU_DENSE_BLOCKS = (256, 1024)
 
 
+def _pallas_dense_kernels() -> DenseKernels:
+  """The dense form's row statistics and gradients from `pallas_kernels.indexer_loss` (the attention's
+  LSE given)."""
+  from pallas_kernels.indexer_loss import dense_kl_grads_pallas, dense_kl_stats_pallas  # noqa: PLC0415
+
+  def stats(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, *, q_offset, segment_ids, compress_ratio,
+            scales):
+    lse_i, mass, cross = dense_kl_stats_pallas(
+        index_q, index_k, index_weights, attn_q, attn_k, attn_lse, q_offset=q_offset, segment_ids=segment_ids,
+        compress_ratio=compress_ratio, index_scale=scales[0], attn_scale=scales[1])
+    return lse_i, attn_lse, mass, cross
+
+  def grads(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, lse_i, inv_mass, coef, *, q_offset,
+            segment_ids, compress_ratio, scales):
+    return dense_kl_grads_pallas(
+        index_q, index_k, index_weights, attn_q, attn_k, attn_lse, lse_i, inv_mass, coef, q_offset=q_offset,
+        segment_ids=segment_ids, compress_ratio=compress_ratio, index_scale=scales[0], attn_scale=scales[1])
+
+  return DenseKernels(stats, grads)
+
+
 def _with_pallas_kernels(teacher_kernel):
   """The sparse form with the teacher and the indexer's scores at the selected keys (and their
   gradient) from Pallas kernels; the softmax, KL and logit gradient are XLA over [chunk, K].
 
-  Query chunks of 1024 rows keep the kernels' grids wide on the GPU. The dense form is the
-  reference's streaming in `GPU_DENSE_BLOCKS` tiles.
+  Query chunks of 1024 rows keep the kernels' grids wide on the GPU. The dense form with the
+  attention's LSE runs on the dense KL kernels (`pallas_kernels.indexer_loss`); without it, on the
+  reference's streaming in `GPU_DENSE_BLOCKS` tiles, which also computes each head's LSE.
   """
   from pallas_kernels.flash_topk import index_scores_at_pallas  # noqa: PLC0415 - beside the teacher's package
 
+  dense_kernels = _pallas_dense_kernels()  # one object: a static argument of the loss's custom_vjp
+
   def loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices=None, **kwargs):
+    if indices is None and attn_lse is not None:
+      return indexer_loss_reference(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, None,
+                                    dense_kernels=dense_kernels, **kwargs)
     if indices is None:
       query_chunk, key_chunk = GPU_DENSE_BLOCKS
       return indexer_loss_reference(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, None,
@@ -47,7 +74,8 @@ def _with_pallas_kernels(teacher_kernel):
 
 REGISTRY.register_optional("pallas", "pallas_kernels.sparse_attention", "attention_teacher_pallas",
                            wrap=_with_pallas_kernels,
-                           kernel="Triton teacher and scores at the selected keys, XLA softmax and KL")
+                           kernel="Triton teacher and scores at the selected keys, XLA softmax and KL; Triton "
+                                  "dense KL")
 
 
 def _xla_baseline(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, indices=None, *,

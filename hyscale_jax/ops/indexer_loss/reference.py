@@ -319,57 +319,39 @@ def _dense_block_stats(spec: _DenseSpec, i, iq, iw, aq, alse, seg_blk):
   return lse_i, alse, mass, cross
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _dense_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions, compress_ratio, scales, blocks):
-  """(f32[] mean KL over counted rows, i32[] rows counted)."""
-  return _dense_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions, compress_ratio, scales, blocks)[0]
-
-
-def _dense_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions, compress_ratio, scales, blocks):
-  q_offset, segment_ids = positions
+def dense_stats_reference(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, *, q_offset, segment_ids,
+                          compress_ratio, scales, blocks):
+  """Per-row statistics of the dense form, streamed in jnp: (lse_I, attn_lse, Z, cross), lse_I, Z and
+  cross f32[B, T] (see `DenseKernels`), attn_lse f32[B, T, H] (computed here when None)."""
   spec = _DenseSpec(index_k, attn_k, segment_ids, q_offset, compress_ratio, scales, blocks)
   T = index_q.shape[1]
 
   def block_rows(xs):
     i, iq, iw, aq, alse, seg = xs
-    lse_i, alse, mass, cross = _dense_block_stats(spec, i, iq, iw, aq, alse, seg)
-    in_range = i * spec.bq + jnp.arange(spec.bq) < T  # rows padded onto the last block don't count
-    row_valid = jnp.isfinite(lse_i) & (mass > 0) & in_range
-    safe_mass = jnp.where(row_valid, mass, 1.0)
-    # KL(p || softmax I) = E_p[log u - I] - log Z + lse(I), with p = u / Z.
-    row_kl = cross / safe_mass - jnp.log(safe_mass) + jnp.where(row_valid, lse_i, 0.0)
-    return row_kl, row_valid, lse_i, alse, mass
+    return _dense_block_stats(spec, i, iq, iw, aq, alse, seg)
 
-  n_blocks = st.cdiv(T, spec.bq)
-  xs = (
-      jnp.arange(n_blocks, dtype=jnp.int32), spec.blocks(index_q), spec.blocks(index_weights),
-      spec.blocks(attn_q), spec.blocks(attn_lse), spec.blocks(spec.q_seg),
-  )
-  row_kl, row_valid, lse_i, alse, mass = jax.lax.map(block_rows, xs)
-  loss, n_valid = _row_mean(row_kl, row_valid)
-  residuals = (index_q, index_k, index_weights, attn_q, attn_k, positions, n_valid, row_valid, lse_i, alse, mass)
-  return (loss, n_valid), residuals
+  xs = (jnp.arange(st.cdiv(T, spec.bq), dtype=jnp.int32), spec.blocks(index_q), spec.blocks(index_weights),
+        spec.blocks(attn_q), spec.blocks(attn_lse), spec.blocks(spec.q_seg))
+  return tuple(st.from_blocks(x, 1, T) for x in jax.lax.map(block_rows, xs))
 
 
-def _dense_loss_bwd(compress_ratio, scales, blocks, residuals, cts):
-  ct = cts[0]  # the row count is an integer: no cotangent
-  index_q, index_k, index_weights, attn_q, attn_k, positions, n_valid, row_valid, lse_i, alse, mass = residuals
-  q_offset, segment_ids = positions
+def dense_grads_reference(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, lse_i, inv_mass, coef, *,
+                          q_offset, segment_ids, compress_ratio, scales, blocks):
+  """f32 gradients (d index_q, d index_k, d index_weights or None) of `sum_t coef[t] KL_t`, streamed in jnp."""
   spec = _DenseSpec(index_k, attn_k, segment_ids, q_offset, compress_ratio, scales, blocks)
   T = index_q.shape[1]
-  coef = ct / jnp.maximum(n_valid, 1).astype(jnp.float32)
 
   def block_grads(dk, xs):
-    i, iq, iw, aq, seg, valid_b, lse_b, alse_b, mass_b = xs
+    i, iq, iw, aq, seg, alse_b, lse_b, inv_mass_b, coef_b = xs
     q_pos = spec.q_positions(i)
-    safe_mass = jnp.where(valid_b, mass_b, 1.0)
+    seen = jnp.isfinite(lse_b)
 
     def chunk_grads(j, acc):
       dq, dw, dk = acc
       vis, logits, attn = spec.tile(j, q_pos, seg, iq, iw, aq)
-      target = probs_from_lse(attn, alse_b).sum(axis=2) / safe_mass[..., None]
-      student = jnp.exp(logits - jnp.where(valid_b, lse_b, 0.0)[..., None])
-      g = jnp.where(vis & valid_b[..., None], student - target, 0.0) * coef
+      target = probs_from_lse(attn, alse_b).sum(axis=2) * inv_mass_b[..., None]
+      student = jnp.exp(logits - jnp.where(seen, lse_b, 0.0)[..., None])
+      g = jnp.where(vis & seen[..., None], student - target, 0.0) * coef_b[..., None]
       _, ik, _, _ = spec.key_chunk(j)
       _, pullback = jax.vjp(lambda q_, k_, w_: index_scores(q_, k_, w_, spec.index_scale), iq, ik, iw)
       dq_j, dk_j, dw_j = pullback(g)
@@ -383,16 +365,72 @@ def _dense_loss_bwd(compress_ratio, scales, blocks, residuals, cts):
     dq, dw, dk = jax.lax.fori_loop(0, spec.n_visible(q_pos), chunk_grads, (zeros(iq), zeros(iw), dk))
     return dk, (dq, dw)
 
-  n_blocks = st.cdiv(T, spec.bq)
-  xs = (
-      jnp.arange(n_blocks, dtype=jnp.int32), spec.blocks(index_q), spec.blocks(index_weights),
-      spec.blocks(attn_q), spec.blocks(spec.q_seg), row_valid, lse_i, alse, mass,
-  )
+  blocks_of = lambda x, fill=0.0: spec.blocks(x.astype(jnp.float32), fill)
+  xs = (jnp.arange(st.cdiv(T, spec.bq), dtype=jnp.int32), spec.blocks(index_q), spec.blocks(index_weights),
+        spec.blocks(attn_q), spec.blocks(spec.q_seg), spec.blocks(attn_lse), blocks_of(lse_i, -jnp.inf),
+        blocks_of(inv_mass), blocks_of(coef))
   dk, (dq, dw) = jax.lax.scan(block_grads, jnp.zeros(spec.index_k.shape, jnp.float32), xs)
-  dq = st.from_blocks(dq, 1, T).astype(index_q.dtype)
-  dw = None if index_weights is None else st.from_blocks(dw, 1, T).astype(index_weights.dtype)
-  dk = dk[:, : spec.Tk].astype(index_k.dtype)
-  return dq, dk, dw, None, None, None, None
+  dq = st.from_blocks(dq, 1, T)
+  dw = None if index_weights is None else st.from_blocks(dw, 1, T)
+  return dq, dk[:, : spec.Tk], dw
+
+
+class DenseKernels(NamedTuple):
+  """What the dense form computes with (a static argument of its custom_vjp).
+
+  stats: `(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, *, q_offset, segment_ids,
+    compress_ratio, scales) -> (lse_I, attn_lse, Z, cross)`: per row, the student's log-sum-exp over
+    the support, the attention's (given, or computed when None), the teacher's mass
+    `Z = sum_s u` and `cross = sum_s u (log u - I)`.
+  grads: `(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, lse_I, inv_mass, coef, *, q_offset,
+    segment_ids, compress_ratio, scales) -> f32 (dq, dk, dw)`: the gradients of `sum_t coef[t] KL_t`,
+    `inv_mass` = 1 / Z (0 for rows left out).
+  """
+
+  stats: Callable
+  grads: Callable
+
+
+def reference_dense_kernels(query_chunk: int, key_chunk: int) -> DenseKernels:
+  """The jnp streaming in [query_chunk, H, key_chunk] tiles."""
+  blocks = (int(query_chunk), int(key_chunk))
+  return DenseKernels(functools.partial(dense_stats_reference, blocks=blocks),
+                      functools.partial(dense_grads_reference, blocks=blocks))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _dense_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions, compress_ratio, scales,
+                kernels):
+  """(f32[] mean KL over counted rows, i32[] rows counted)."""
+  return _dense_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions, compress_ratio,
+                         scales, kernels)[0]
+
+
+def _dense_loss_fwd(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions, compress_ratio, scales,
+                    kernels):
+  q_offset, segment_ids = positions
+  lse_i, attn_lse, mass, cross = kernels.stats(index_q, index_k, index_weights, attn_q, attn_k, attn_lse,
+                                               q_offset=q_offset, segment_ids=segment_ids,
+                                               compress_ratio=compress_ratio, scales=scales)
+  row_valid = jnp.isfinite(lse_i) & (mass > 0)
+  safe_mass = jnp.where(row_valid, mass, 1.0)
+  # KL(p || softmax I) = E_p[log u - I] - log Z + lse(I), with p = u / Z.
+  row_kl = cross / safe_mass - jnp.log(safe_mass) + jnp.where(row_valid, lse_i, 0.0)
+  loss, n_valid = _row_mean(row_kl, row_valid)
+  residuals = (index_q, index_k, index_weights, attn_q, attn_k, positions, n_valid, row_valid, lse_i, attn_lse, mass)
+  return (loss, n_valid), residuals
+
+
+def _dense_loss_bwd(compress_ratio, scales, kernels, residuals, cts):
+  ct = cts[0]  # the row count is an integer: no cotangent
+  index_q, index_k, index_weights, attn_q, attn_k, positions, n_valid, row_valid, lse_i, attn_lse, mass = residuals
+  q_offset, segment_ids = positions
+  coef = jnp.where(row_valid, ct / jnp.maximum(n_valid, 1).astype(jnp.float32), 0.0)
+  inv_mass = jnp.where(row_valid, 1.0 / jnp.where(row_valid, mass, 1.0), 0.0)
+  dq, dk, dw = kernels.grads(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, lse_i, inv_mass, coef,
+                             q_offset=q_offset, segment_ids=segment_ids, compress_ratio=compress_ratio, scales=scales)
+  dw = None if index_weights is None else dw.astype(index_weights.dtype)
+  return dq.astype(index_q.dtype), dk.astype(index_k.dtype), dw, None, None, None, None
 
 
 _dense_loss.defvjp(_dense_loss_fwd, _dense_loss_bwd)
@@ -422,6 +460,7 @@ def indexer_loss_reference(
     grad_in_forward: bool = False,
     rescore: bool = False,
     grads_out: bool = False,
+    dense_kernels: DenseKernels | None = None,
 ) -> Float[Array, ""] | tuple[Float[Array, ""], Int[Array, ""]]:
   """Mean over valid query rows of KL(teacher || softmax(indexer logits)) on each row's support.
 
@@ -433,7 +472,9 @@ def indexer_loss_reference(
   teacher masses are pooled by `key_pool` (see `ops.indexer_loss`).
   `teacher_mass` computes the sparse form's teacher and `scores_at` the indexer's scores at the
   selected keys (the Pallas backend passes its kernels for both); the teacher is recomputed in the
-  backward pass rather than saved, since [T, K] f32 per layer is 8.6 GB at 1M tokens.
+  backward pass rather than saved, since [T, K] f32 per layer is 8.6 GB at 1M tokens. `dense_kernels`
+  computes the dense form's row statistics and gradients (default: the jnp streaming in
+  `query_chunk` x `key_chunk` tiles; the Pallas backend passes its kernels).
 
   Sparse-form variants (same value and gradient, different cost):
     grad_in_forward: compute the gradient with the loss and save it (`_sparse_loss_grad_in_forward`).
@@ -460,6 +501,7 @@ def indexer_loss_reference(
                        key_tokens, scales, int(query_chunk), kernels, bool(rescore))
   else:
     positions = (jnp.asarray(q_offset, jnp.int32), segment_ids)
+    kernels = dense_kernels or reference_dense_kernels(query_chunk, key_chunk)
     out = _dense_loss(index_q, index_k, index_weights, attn_q, attn_k, attn_lse, positions,
-                      int(compress_ratio), scales, (int(query_chunk), int(key_chunk)))
+                      int(compress_ratio), scales, kernels)
   return out if with_row_count else out[0]
