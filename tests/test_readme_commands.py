@@ -31,8 +31,9 @@ ELSEWHERE = {
 SMALL = ["--config.train.steps=2", "--config.train.warmup_steps=1", "--config.data.seq_len=32",
          "--config.data.batch_size=2", "--config.train.progress_bar=false", "--config.train.checkpoint_every=2",
          "--config.train.memory_preflight=false"]
-# The slow ones: each another model or mesh to compile (minutes of CPU together).
-SLOW = ("deepseek_v4_flash", "qwen3_8_flash_next", "megatron_style", "mesh.")
+# The slow ones: each another model or mesh to compile (minutes of CPU together), and the default
+# config's run, whose config and stage schedule tests/test_train_cli.py's console test trains.
+SLOW = ("deepseek_v4_flash", "qwen3_8_flash_next", "megatron_style", "mesh.", "--workdir=runs/a ")
 
 
 def readme_commands() -> list[str]:
