@@ -4,6 +4,7 @@ The scripts run as subprocesses (`python -m bench.<name>`), all started together
 (`runs`) and each checked by its own test; on 2 shared CPU cores the whole file takes two to three minutes.
 """
 
+import concurrent.futures
 import fcntl
 import json
 import math
@@ -100,13 +101,16 @@ def _positive(x):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  """name -> (exit status, output, the JSON it wrote) of every script, each run once per test session.
+def runs(tmp_path_factory, request):
+  """name -> (exit status, output, the JSON it wrote) of each selected script, run once per test session.
 
-  The first test (of any xdist worker) that asks starts them all at once and records how each ended;
-  the others wait for that and read it. A module fixture alone would run them in every worker that
-  gets one of these tests: twice the CPU, and two runs racing on the same temporary folders.
+  The first test (of any xdist worker) that asks runs the scripts whose tests this session selected
+  (`-m "not slow"` leaves out `_SLOW_SCRIPTS`) and records how each ended; the others wait for that
+  and read it. A module fixture alone would run them in every worker that gets one of these tests:
+  twice the CPU, and two runs racing on the same temporary folders.
   """
+  names = [item.callspec.params["name"] for item in request.session.items
+           if item.originalname == "test_smoke_run_writes_sane_rows"]
   base = tmp_path_factory.getbasetemp()
   # Under xdist each worker's base is popen-gwN/ inside the session's folder, which they share.
   shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "bench_smoke"
@@ -114,22 +118,25 @@ def runs(tmp_path_factory):
   with open(shared / "lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
     if not (shared / "done").exists():
-      _run_all(shared)
+      _run_all(shared, names)
       (shared / "done").touch()
   return {name: (int((shared / f"{name}.status").read_text()), (shared / f"{name}.log").read_text(),
-                 shared / f"{name}.json") for name in _SCRIPTS}
+                 shared / f"{name}.json") for name in names}
 
 
-def _run_all(folder: pathlib.Path) -> None:
+def _run_all(folder: pathlib.Path, names: list[str]) -> None:
+  """Runs the scripts two at a time: on 2 cores, all at once took
+  about 300 CPU-seconds against about 170 one after another (each imports JAX and competes for memory)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
              HYSCALE_DATA_DIR=os.environ.get("HYSCALE_DATA_DIR", str(ROOT / ".data")))
   # One CPU device, as a user's run; the suite's other XLA flags (conftest.py) stay.
   env["XLA_FLAGS"] = " ".join(flag for flag in os.environ.get("XLA_FLAGS", "").split()
                               if not flag.startswith("--xla_force_host_platform_device_count"))
-  started = {name: subprocess.Popen([sys.executable, *args, "--out", str(folder / f"{name}.json")], cwd=ROOT,
-                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, (args, _) in _SCRIPTS.items()}
-  for name, proc in started.items():
+
+  def run(name):
+    args, _ = _SCRIPTS[name]
+    proc = subprocess.Popen([sys.executable, *args, "--out", str(folder / f"{name}.json")], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
       log, _ = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
@@ -139,8 +146,16 @@ def _run_all(folder: pathlib.Path) -> None:
     (folder / f"{name}.log").write_text(log)
     (folder / f"{name}.status").write_text(str(proc.returncode))
 
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    list(pool.map(run, names))
 
-@pytest.mark.parametrize("name", list(_SCRIPTS))
+
+# CI time: compile_time's smoke compiles four programs for its table; it runs with SLOW=1.
+_SLOW_SCRIPTS = ("compile_time",)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_SCRIPTS else n
+                                  for n in _SCRIPTS])
 def test_smoke_run_writes_sane_rows(runs, name):
   status, log, out = runs[name]
   assert status == 0, log[-3000:]

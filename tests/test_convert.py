@@ -294,6 +294,8 @@ def test_cli_import_then_export_round_trips(tmp_path):
     assert (tmp_path / "hf" / name).read_bytes() == (FIXTURES / "glm_moe_dsa" / name).read_bytes(), name
 
 
+# CI time: tests/test_readme_commands.py's Hugging Face chain imports and fine-tunes as well.
+@pytest.mark.slow
 def test_train_starts_from_imported_weights(tmp_path):
   cfg = ModelConfig.from_config(glm5_1.get_config("tiny").model)
   source = models.build(cfg, rngs=nnx.Rngs(7))

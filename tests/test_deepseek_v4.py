@@ -300,7 +300,8 @@ def _losses(model, tokens, dense=False):
   return params, total
 
 
-@pytest.mark.parametrize("policy, per_csa_layer", [("selection_replay", 1), ("full", 2)])
+@pytest.mark.parametrize("policy, per_csa_layer", [("selection_replay", 1),
+                                                   pytest.param("full", 2, marks=pytest.mark.slow)])  # CI time
 def test_one_selection_per_csa_layer_under_selection_replay(policy, per_csa_layer):
   model = models.build(dataclasses.replace(_SMALL, remat_policy=policy), rngs=nnx.Rngs(0))
   tokens = jax.random.randint(jax.random.key(0), (B, T), 0, _SMALL.vocab_size)
@@ -329,6 +330,9 @@ def test_config_rejects_a_wrong_layer_pattern():
     dataclasses.replace(_SMALL, o_groups=3)
 
 
+# CI time: resuming is the same code for every model (tests/test_reliability.py); V4's steps train in
+# tests/test_step_modes.py's and tests/test_hyper_connections.py's tests.
+@pytest.mark.slow
 def test_trains_both_stages_and_resumes(tmp_path):
   # With the published model's features on: a hash-routed first layer and YaRN on the compressed layers.
   make = lambda steps: small_lm_config(deepseek_v4_flash.get_config, _SMALL, tmp_path, steps, n_hash_layers=1,

@@ -30,6 +30,8 @@ def _rows(workdir):
   return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+# CI time: tests/test_train_cli.py runs both stages and a resume, tests/test_step_metrics.py checks the rows.
+@pytest.mark.slow
 def test_two_stages_metrics_checkpoints_and_resume(tmp_path):
   workdir = tmp_path / "run"
   lm.train_and_evaluate(_config(tmp_path, 6), str(workdir))

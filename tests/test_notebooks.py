@@ -49,7 +49,9 @@ def _execute(path, figures_dir, monkeypatch) -> str:
   return "".join(o.get("text", "") for o in outputs if o.get("name") == "stdout")
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+# CI time: 03_train_tiny trains what train.py trains (tests/test_train_cli.py); it runs with SLOW=1.
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem == "03_train_tiny" else p
+                                  for p in NOTEBOOKS], ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
   _execute(path, tmp_path, monkeypatch)
 

@@ -192,6 +192,8 @@ def test_config_checks_name_the_field():
     dataclasses.replace(_SMALL, indexer_pool="mean")
 
 
+# CI time: resuming is the same code for every model (tests/test_reliability.py).
+@pytest.mark.slow
 def test_hybrid_stack_trains_both_stages_and_resumes(tmp_path):
   # The published pattern: three Gated DeltaNet layers, then a QSA layer.
   hybrid = dataclasses.replace(_SMALL, n_layers=4, layer_types=("gated_deltanet",) * 3 + ("qsa",),
