@@ -79,11 +79,11 @@ CHUNKED_LAYER_FULL_LENGTH_COPIES = 6.0
 # input's). The rest of such a layer holds one chunk of rows (`LayerBytes.rows_bytes`). Fitted to
 # the GLM-5.1 2-layer model's peaks at 512K-1M (`bench/memory_proxy.py --run`).
 WHOLE_LAYER_CHUNKS_FULL_LENGTH_COPIES = 1.0
-# Measured device peak / this estimate, the lowest and highest seen (docs/results.md lists the runs:
-# the lowest, 0.84, a 64K run whose estimate was over the device and which fit). The preflight refuses a
-# run only when even the lowest ratio would not fit, and warns when the estimate alone is over.
+# Measured device peak / this estimate, the lowest and highest seen over the runs that docs/results.md
+# lists ("Memory preflight against measured peaks"). The preflight refuses a run only when even the
+# lowest ratio would not fit, and warns when the estimate alone is over.
 MEASURED_OVER_ESTIMATE = (0.84, 1.17)
-# What the device's peak holds beyond the compiled program (70 MB on the tiny model, 0.2 GiB at 16K).
+# What the device's peak holds beyond the compiled program (the runtime's own buffers; docs/results.md).
 RUNTIME_RESERVE_BYTES = 64 * 2**20
 
 
@@ -267,8 +267,7 @@ def _deterministic_slabs(cfg: ModelConfig, rows: float, key_width: int) -> float
   """The f32 slabs of `model.sparse_attention_deterministic`'s backward: every selected entry's gradient
   row (the family's keys per query, `_attention_dims`) per head block (the backward kernel's `block_h`
   for this family's heads per key group), over query chunks capped at the kernel's `Config.chunk_bytes`
-  (at MLA 16K the deterministic backward's temporaries measured the 1 GiB cap plus its sort above the
-  atomic backward's: docs/kernels/sparse_attention.md)."""
+  (docs/kernels/sparse_attention.md compares its measured temporaries with the atomic backward's)."""
   if not cfg.sparse_attention_deterministic:
     return 0.0
   from pallas_kernels.sparse_attention import Config  # noqa: PLC0415 - its default budget is the cap
@@ -420,7 +419,7 @@ def device_peak_metrics(device: jax.Device | None = None) -> dict:
 
 
 # The smallest sequence chunk the preflight proposes: below it the per-chunk loops cost more than
-# they save (16K chunks fit GLM-5.1's 2-layer model at 1M tokens on one 141 GB GPU).
+# they save (docs/results.md: 16K chunks fit GLM-5.1's 2-layer model at 1M tokens on one GPU).
 MIN_SUGGESTED_SEQUENCE_CHUNK = 4096
 
 
