@@ -26,7 +26,6 @@ import numpy as np
 from bench.common import poison, write_rows
 from bench.timing import timed_or_report
 from hyscale_jax import ops
-from hyscale_jax.ops.indexer_loss import api as indexer_loss_api
 
 
 def _inputs(T, shapes, dtype):
@@ -73,8 +72,6 @@ def main(argv=None):
   shapes, dtype = (64, 32, 128, 192, 256), jnp.bfloat16  # H, HI, DI, Dqk, Dv
   if args.smoke:
     args.seq, shapes, dtype, args.reps = [40], (4, 2, 16, 24, 16), jnp.float32, 1
-    # Several tiles of the streaming at this length.
-    indexer_loss_api.GPU_DENSE_BLOCKS = (16, 16)
   H, HI, DI, Dqk, Dv = shapes
   scale, index_scale = Dqk**-0.5, DI**-0.5 * HI**-0.5
   print(f"{jax.devices()[0].device_kind}: attention {H} heads {Dqk}/{Dv}, indexer {HI} x {DI}, "

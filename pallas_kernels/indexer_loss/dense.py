@@ -134,15 +134,12 @@ class _Tile:
 
 
 def _unpack(refs, counts: dict) -> dict:
-  """Splits a kernel's flat refs into named groups by `counts` (name -> how many; 0: the name is None)."""
+  """Splits a kernel's flat refs into named groups by `counts`: name -> (how many, whether a list: the
+  column parts of one operand); a single name counted 0 is None."""
   refs, out = list(refs), {}
-  for name, n in counts.items():
-    if n == 0:
-      out[name] = None
-    elif name in ("iq", "ik", "aq", "ak", "dq", "dk"):
-      out[name] = [refs.pop(0) for _ in range(n)]
-    else:
-      out[name] = refs.pop(0)
+  for name, (n, is_list) in counts.items():
+    group = [refs.pop(0) for _ in range(n)]
+    out[name] = group if is_list else (group[0] if group else None)
   assert not refs, f"{len(refs)} refs left over"
   return out
 
@@ -376,13 +373,13 @@ def _call(kernel, launch, q_offset, names_kinds, extra, out_shapes, out_kinds, g
   for op_name, kind in names_kinds:
     value = extra[op_name] if op_name in extra else launch.operands[op_name]
     group = value if isinstance(value, list) else ([] if value is None else [value])
-    counts[op_name] = len(group) if isinstance(value, list) else int(value is not None)
+    counts[op_name] = (len(group), isinstance(value, list))
     operands += group
     specs += [_spec(kind, launch, v) for v in group]
   flat_shapes, out_specs = [], []
   for out_name, shapes in out_shapes.items():
     group = shapes if isinstance(shapes, list) else [shapes]
-    counts[out_name] = len(group)
+    counts[out_name] = (len(group), isinstance(shapes, list))
     flat_shapes += group
     out_specs += [_spec(out_kinds[out_name], launch, shape) for shape in group]
   return pl.pallas_call(
